@@ -1,0 +1,197 @@
+"""The ServerApp: load and validate the experiment, find the clients, run the strategy, evaluate,
+write results. Training math lives in ``ssl_models``; aggregation in ``strategies``."""
+
+from __future__ import annotations
+
+import time
+from logging import ERROR
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from ssl_models.checkpoint import save_encoder_checkpoint
+from ssl_models.config import ConfigError, ExperimentConfig
+from ssl_models.evaluation import evaluate_backbone
+from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.splits import eval_subsets, federated_split, load_experiment_data
+from ssl_models.training import resolve_device
+from strategies import get_strategy_class
+from strategies.records import from_array_record, to_array_record
+
+from .experiment import load_experiment, output_dir_for
+from .results import ResultsWriter
+
+app = ServerApp()
+
+
+class FederationMismatch(RuntimeError):
+    """The running federation does not match the experiment's client count."""
+
+
+def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
+    """Map partition id -> node id by asking every node (``query.info``); check the federation size."""
+    n = cfg.federation.num_clients
+    how = (f"set the federation size to match, e.g. `flwr run . --federation-config \"num-supernodes={n}\"` "
+           f"in simulation, or start {n} SuperNodes with num-partitions={n}; or set federation.num_clients")
+    deadline = time.monotonic() + cfg.federation.node_wait_s
+    nodes: list[int] = []
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= n or time.monotonic() > deadline:
+            break
+        say(f"waiting for clients: {len(nodes)}/{n} nodes connected")
+        time.sleep(2.0)
+    if len(nodes) != n:
+        raise FederationMismatch(f"the experiment has federation.num_clients={n} but the federation has "
+                                 f"{len(nodes)} nodes: {how}")
+    queries = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type="query.info")
+               for node in nodes]
+    replies = list(grid.send_and_receive(queries, timeout=cfg.federation.round_timeout_s))
+    clients: dict[int, int] = {}
+    for reply in replies:
+        if reply.has_error():
+            raise RuntimeError(f"node {reply.metadata.src_node_id} failed to report its partition: "
+                               f"{reply.error.reason}")
+        m = reply.content["metrics"]
+        pid, num = int(m["partition-id"]), int(m["num-partitions"])
+        if num != n:
+            raise FederationMismatch(f"node {reply.metadata.src_node_id} holds partition {pid} of {num}, but "
+                                     f"the experiment has federation.num_clients={n}: {how}")
+        if pid in clients:
+            raise FederationMismatch(f"two nodes claim partition-id {pid}: give every node its own partition-id")
+        clients[pid] = reply.metadata.src_node_id
+    if sorted(clients) != list(range(n)):
+        raise FederationMismatch(f"nodes reported partitions {sorted(clients)}, expected 0..{n - 1}: {how}")
+    return clients
+
+
+class ServerEvaluator:
+    """The fixed evaluation protocol on the server's labelled data (kNN monitor, final linear probe)."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.eval.device)
+        data = load_experiment_data(cfg)
+        train_idx, test_idx = eval_subsets(cfg, data)
+        self.x_train, self.y_train = data.x_train[train_idx], data.y_train[train_idx]
+        self.x_test, self.y_test = data.x_test[test_idx], data.y_test[test_idx]
+        self.num_classes = data.num_classes
+        self.model = build_ssl_model(cfg, seed=cfg.seed)
+
+    def load(self, arrays: ArrayRecord) -> torch.nn.Module:
+        load_partial_state(self.model, from_array_record(arrays))
+        return self.model.backbone
+
+    def evaluate(self, arrays: ArrayRecord, *, knn: bool, linear: bool) -> dict[str, Any]:
+        e = self.cfg.eval
+        return evaluate_backbone(self.load(arrays), self.x_train, self.y_train, self.x_test, self.y_test,
+                                 self.num_classes, device=self.device, knn=knn, linear=linear, knn_k=e.knn_k,
+                                 knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    started = time.perf_counter()
+    try:
+        cfg, config_path = load_experiment(context.run_config)
+    except (ConfigError, FileNotFoundError) as exc:
+        log(ERROR, "Invalid experiment configuration: %s", exc)
+        raise
+    out_dir = output_dir_for(cfg)
+    writer = ResultsWriter(out_dir)
+    say = writer.progress
+    say(f"experiment {cfg.name!r} from {config_path}; results in {out_dir}")
+    try:  # load the data before anything waits on clients, so a bad path fails at once
+        data = load_experiment_data(cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        log(ERROR, "Cannot load the data set: %s", exc)
+        say(f"stopped: cannot load the data set: {exc}")
+        raise
+
+    try:
+        clients = discover_clients(grid, cfg, say)
+    except FederationMismatch as exc:
+        log(ERROR, "%s", exc)
+        say(f"stopped: {exc}")
+        raise
+    split = federated_split(cfg, data.y_train)
+    sizes = [len(idx) for idx in split.client_idx]
+    say(f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
+        f"server public split {len(split.public_idx)}")
+
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    strategy = strategy_cls(
+        clients=clients, clients_per_round=cfg.clients_per_round, min_available=cfg.min_available_clients,
+        node_wait_s=cfg.federation.node_wait_s, seed=cfg.seed,
+        round_config=lambda rnd: {"lr": cfg.round_lr(rnd)}, options=cfg.strategy.options,
+    )
+    evaluator = ServerEvaluator(cfg)
+    initial_model = build_ssl_model(cfg, seed=cfg.seed)
+    shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
+    initial = to_array_record(state_to_numpy(shared))
+    say(f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
+        f"{cfg.rounds} rounds, {cfg.clients_per_round}/{cfg.federation.num_clients} clients per round, "
+        f"{_mb(initial.count_bytes())} exchanged per client each way")
+
+    def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Called by Strategy.start after every round: measure, record, report."""
+        if server_round == 0:
+            return None
+        record = dict(strategy.round_records.get(server_round, {"round": server_round}))
+        record["wall_s"] = strategy.round_wall_s(server_round)
+        e = cfg.eval
+        if e.knn_every and (server_round % e.knn_every == 0 or server_round == cfg.rounds):
+            t0 = time.perf_counter()
+            record["knn_acc"] = evaluator.evaluate(arrays, knn=True, linear=False)["knn_acc"]
+            record["eval_s"] = time.perf_counter() - t0
+        clients_list = record.pop("clients", [])
+        record["clients"] = clients_list  # keep per-client facts last: the line stays readable
+        writer.write_round(record)
+        knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
+        say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
+            f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
+            f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok")
+        return MetricRecord({"knn_acc": float(record["knn_acc"])}) if record.get("knn_acc") is not None else None
+
+    result = strategy.start(
+        grid=grid, initial_arrays=initial, num_rounds=cfg.rounds, timeout=cfg.federation.round_timeout_s,
+        train_config=ConfigRecord({"experiment": cfg.to_json()}), evaluate_fn=after_round,
+    )
+    final = result.arrays if result.arrays is not None and len(result.arrays) else initial
+
+    backbone = evaluator.load(final)
+    save_encoder_checkpoint(writer.model_path, backbone, cfg.model.arch, cfg.model.width,
+                            extra={"method": cfg.method.name, "strategy": cfg.strategy.name,
+                                   "rounds": len(writer.records), "experiment": cfg.name})
+    say("final evaluation (kNN + linear probe) ...")
+    scores = evaluator.evaluate(final, knn=True, linear=cfg.eval.linear_probe)
+    summary = {
+        "name": cfg.name,
+        "method": cfg.method.name,
+        "strategy": cfg.strategy.name,
+        "linear_probe_acc": scores.get("linear_probe_acc"),
+        "knn_acc": scores.get("knn_acc"),
+        "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
+        **writer.totals(),
+        "run_s": time.perf_counter() - started,
+        "eval": {"num_train": scores["num_train"], "num_test": scores["num_test"],
+                 "feature_dim": scores["feature_dim"], "features": "backbone (global average pool)",
+                 "knn_k": cfg.eval.knn_k, "knn_temperature": cfg.eval.knn_temperature,
+                 "probe_epochs": cfg.eval.probe_epochs, "split": "train part -> fit, test part -> score"},
+        "data": {"train_images": len(data.x_train), "client_sizes": sizes, "public_size": len(split.public_idx)},
+        "output_dir": str(out_dir),
+        "config_file": str(config_path),
+        "config": cfg.to_dict(),
+    }
+    writer.write_summary(summary)
+    writer.plot(f"{cfg.name}: {cfg.method.name} / {cfg.strategy.name}")
+    lp = summary["linear_probe_acc"]
+    say(f"done in {summary['run_s']:.1f} s: linear probe {'-' if lp is None else f'{100 * lp:.2f}%'}, "
+        f"kNN {100 * summary['knn_acc']:.2f}%; results in {out_dir}")

@@ -1,0 +1,74 @@
+"""Turn Flower's run config into a validated ExperimentConfig.
+
+The run config holds ``config`` (a YAML file under ``configs/`` or any path), ``output-dir``, and one
+key per YAML setting (``train.lr``, ``federation.num_clients``...) whose default in pyproject.toml is the
+empty string, meaning "keep the YAML value". Any other value overrides the YAML.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
+from ssl_models.methods import method_default_options
+from strategies import get_strategy_class
+
+APP_DIR = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = "configs/default.yaml"
+# Run-config keys that are not YAML settings.
+RUN_ONLY_KEYS = ("config", "output-dir")
+
+
+def resolve_config_path(name: str) -> Path:
+    """A config named relative to the app (``configs/x.yaml``) or the current directory, or absolute."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path
+    for base in (APP_DIR, Path.cwd()):
+        if (base / path).is_file():
+            return base / path
+    return APP_DIR / path
+
+
+def overrides_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The YAML settings the run config sets (its non-empty values), by dotted key."""
+    known = set(leaf_keys()) | set(RUN_ONLY_KEYS)
+    out = {}
+    for key, value in run_config.items():
+        if key in RUN_ONLY_KEYS or value == "":
+            continue
+        if key not in known:
+            raise ConfigError(f"{key}: unknown run-config key (it is not a setting of the experiment config)")
+        out[key] = value
+    if run_config.get("output-dir", ""):
+        out["output_dir"] = str(run_config["output-dir"])
+    return out
+
+
+def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Path]:
+    """Load, override, validate; check the data exists and component options are known."""
+    path = resolve_config_path(str(run_config.get("config", "") or DEFAULT_CONFIG))
+    cfg = ExperimentConfig.from_yaml(path, overrides_from_run_config(run_config))
+    cfg.check_files()
+    try:
+        method_defaults = method_default_options(cfg.method.name)
+        strategy_cls = get_strategy_class(cfg.strategy.name)
+    except ValueError as exc:
+        key = "strategy.name" if "strategy" in str(exc) else "method.name"
+        raise ConfigError(f"{key}: {exc}") from None
+    cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
+    cfg.strategy.options = validate_component_options(cfg.strategy.options, strategy_cls.default_options(),
+                                                      "strategy.options")
+    if cfg.data.path:
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())  # clients may run elsewhere
+    return cfg, path
+
+
+def output_dir_for(cfg: ExperimentConfig) -> Path:
+    """``output_dir`` from the config/run config, else ``./outputs/<name>-<timestamp>``; absolute."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir).expanduser().resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return (Path.cwd() / "outputs" / f"{cfg.name}-{stamp}").resolve()

@@ -1,0 +1,83 @@
+"""Results of a run, written as they happen so nothing is lost if a run stops early.
+
+- ``metrics.jsonl``: one JSON object per round (round, train_loss, bytes_up, bytes_down, wall_s,
+  knn_acc when measured, per-client facts);
+- ``progress.log``: the one-line-per-round progress log (also printed);
+- ``summary.json``: final scores, totals and the resolved config;
+- ``curves.png``: train loss and kNN accuracy against the round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class ResultsWriter:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.progress_path = self.out_dir / "progress.log"
+        self.summary_path = self.out_dir / "summary.json"
+        self.plot_path = self.out_dir / "curves.png"
+        self.model_path = self.out_dir / "model.pt"
+        self.records: list[dict[str, Any]] = []
+        self.metrics_path.write_text("")
+        self.progress_path.write_text("")
+
+    def progress(self, line: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        print(stamped, file=sys.stderr, flush=True)
+        with self.progress_path.open("a") as fh:
+            fh.write(stamped + "\n")
+
+    def write_round(self, record: dict[str, Any]) -> None:
+        record = _json_safe(record)
+        self.records.append(record)
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(record, sort_keys=False) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(_json_safe(summary), indent=2, sort_keys=False) + "\n")
+        tmp.replace(self.summary_path)
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "rounds_completed": len(self.records),
+            "bytes_up_total": int(sum(r.get("bytes_up") or 0 for r in self.records)),
+            "bytes_down_total": int(sum(r.get("bytes_down") or 0 for r in self.records)),
+            "wall_s_total": float(sum(r.get("wall_s") or 0.0 for r in self.records)),
+        }
+
+    def plot(self, title: str) -> Path | None:
+        """Draw the curves; a plotting failure is reported, never fatal to the run."""
+        from .plotting import plot_curves
+
+        def series(key: str) -> tuple[list[float], list[float]]:
+            pts = [(r["round"], r[key]) for r in self.records if r.get(key) is not None]
+            return [float(x) for x, _ in pts], [float(y) for _, y in pts]
+
+        try:
+            plot_curves(self.plot_path, {"train loss": series("train_loss"), "knn acc": series("knn_acc")},
+                        title=title, xlabel="round")
+            return self.plot_path
+        except Exception as exc:  # noqa: BLE001 - the numbers are already on disk
+            self.progress(f"could not draw {self.plot_path.name}: {exc}")
+            return None

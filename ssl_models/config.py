@@ -1,0 +1,361 @@
+"""Experiment configuration: validated dataclasses loaded from YAML.
+
+One ``ExperimentConfig`` describes a whole run (data, model, SSL method, local training, federation,
+evaluation). It is loaded from a YAML file, optionally overridden by flat dotted keys
+(``train.lr=0.1``, as Flower's ``--run-config`` delivers them), and validated before anything starts:
+unknown keys, wrong types and impossible values raise ``ConfigError`` naming the dotted key.
+
+This module is pure Python (no Flower, no torch) so both the ServerApp and the ClientApp can use it,
+and so it can be tested alone. Options that belong to a pluggable component (an SSL method's or a
+strategy's options) are free-form dicts here; they are checked against that component's registry by
+``validate_component_options``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid experiment configuration; the message names the offending key."""
+
+
+DATASETS = ("cifar10", "cifar100", "stl10", "npz", "synthetic")
+PARTITIONS = ("iid", "dirichlet", "pathological")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DataConfig:
+    """Where the images come from and how they are split between clients and the server."""
+
+    dataset: str = "cifar10"
+    # An .npz file (x_train, y_train, x_test, y_test) or a torchvision root folder. Empty: the
+    # torchvision default root ``~/.cache/fedssl/data``.
+    path: str = ""
+    download: bool = False
+    # Class-stratified subsample of the training set before anything else; 0 keeps everything.
+    max_train: int = 0
+    partition: str = "pathological"
+    alpha: float = 0.5  # Dirichlet concentration
+    min_size: int = 10  # Dirichlet: resample until every client has at least this many images
+    classes_per_client: int = 2  # pathological
+    # Server-held public/auxiliary split carved from the training data before partitioning and never
+    # given to any client: a count (>= 1) or a fraction (< 1); 0 disables it.
+    public_size: float = 0.0
+    # Sizes of the synthetic data set (dataset: synthetic).
+    synthetic_train: int = 600
+    synthetic_test: int = 200
+    synthetic_classes: int = 10
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "resnet18"
+    width: float = 1.0  # channel width multiplier; tests use 0.125
+
+
+@dataclass
+class MethodConfig:
+    name: str = "byol"
+    options: dict = field(default_factory=dict)  # checked against the method registry
+
+
+@dataclass
+class TrainConfig:
+    """Local SSL training on each client."""
+
+    local_epochs: int = 5
+    batch_size: int = 128
+    drop_last: bool = True
+    optimizer: str = "sgd"
+    lr: float = 0.032
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    # Cosine decay of the learning rate across rounds (constant within a round), as in EasyFL.
+    lr_schedule: str = "cosine"
+    # bfloat16 autocast on CPUs with AMX/AVX512-BF16, mixed precision on CUDA, channels-last memory.
+    fast_path: bool = True
+    device: str = "auto"
+    # Cap on local optimisation steps per epoch (0 = no cap); for quick experiments and benchmarks.
+    max_steps_per_epoch: int = 0
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "fedssl"
+    options: dict = field(default_factory=dict)  # checked against the strategy registry
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = 5
+    clients_per_round: int = 0  # 0: every client every round
+    min_available_clients: int = 0  # 0: equal to num_clients
+    round_timeout_s: float = 3600.0
+    # How long the server waits at start for all clients' nodes to connect (deployments).
+    node_wait_s: float = 300.0
+
+
+@dataclass
+class EvalConfig:
+    """The fixed evaluation protocol (see ssl_models/evaluation.py)."""
+
+    knn_every: int = 10  # rounds between kNN monitors; 0 disables; the last round is always measured
+    knn_k: int = 200
+    knn_temperature: float = 0.1
+    linear_probe: bool = True
+    probe_epochs: int = 100
+    # Class-stratified subsamples of the labelled train (kNN bank / probe fit) and test sets; 0 = all.
+    max_train: int = 0
+    max_test: int = 0
+    device: str = "auto"
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int = 100
+    output_dir: str = ""  # empty: ./outputs/<name>-<timestamp>
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ExperimentConfig":
+        cfg = _build_dataclass(cls, data, prefix="")
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "ExperimentConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: file not found: {path}")
+        with path.open() as fh:
+            try:
+                raw = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"config: {path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config: {path} must hold a mapping at the top level")
+        for key, value in (overrides or {}).items():
+            set_dotted(raw, key, value)
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExperimentConfig":
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check values that types alone cannot; raise ConfigError naming the key."""
+        _require(self.rounds >= 1, "rounds", "must be >= 1", self.rounds)
+        _require(bool(self.name.strip()), "name", "must not be empty", self.name)
+        d = self.data
+        _one_of(d.dataset, DATASETS, "data.dataset")
+        _one_of(d.partition, PARTITIONS, "data.partition")
+        _require(d.max_train >= 0, "data.max_train", "must be >= 0", d.max_train)
+        _require(d.alpha > 0, "data.alpha", "must be > 0", d.alpha)
+        _require(d.min_size >= 0, "data.min_size", "must be >= 0", d.min_size)
+        _require(d.classes_per_client >= 1, "data.classes_per_client", "must be >= 1", d.classes_per_client)
+        _require(d.public_size >= 0, "data.public_size", "must be >= 0 (a count, or a fraction < 1)",
+                 d.public_size)
+        _require(d.public_size < 1 or float(d.public_size).is_integer(), "data.public_size",
+                 "must be a fraction below 1 or a whole count", d.public_size)
+        if d.dataset == "npz":
+            _require(bool(d.path), "data.path", "must name an .npz file when data.dataset is npz", d.path)
+        if d.dataset == "synthetic":
+            _require(d.synthetic_train >= 1, "data.synthetic_train", "must be >= 1", d.synthetic_train)
+            _require(d.synthetic_test >= 1, "data.synthetic_test", "must be >= 1", d.synthetic_test)
+            _require(d.synthetic_classes >= 2, "data.synthetic_classes", "must be >= 2", d.synthetic_classes)
+
+        _require(self.model.width > 0, "model.width", "must be > 0", self.model.width)
+
+        t = self.train
+        _require(t.local_epochs >= 1, "train.local_epochs", "must be >= 1", t.local_epochs)
+        _require(t.batch_size >= 2, "train.batch_size", "must be >= 2 (contrastive losses need pairs)",
+                 t.batch_size)
+        _one_of(t.optimizer, OPTIMIZERS, "train.optimizer")
+        _require(t.lr > 0, "train.lr", "must be > 0", t.lr)
+        _require(0 <= t.momentum < 1, "train.momentum", "must be in [0, 1)", t.momentum)
+        _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0", t.weight_decay)
+        _one_of(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+        _one_of(t.device, DEVICES, "train.device")
+        _require(t.max_steps_per_epoch >= 0, "train.max_steps_per_epoch", "must be >= 0",
+                 t.max_steps_per_epoch)
+
+        f = self.federation
+        _require(f.num_clients >= 1, "federation.num_clients", "must be >= 1", f.num_clients)
+        _require(f.clients_per_round >= 0, "federation.clients_per_round", "must be >= 0", f.clients_per_round)
+        _require(f.clients_per_round <= f.num_clients, "federation.clients_per_round",
+                 f"cannot exceed federation.num_clients ({f.num_clients})", f.clients_per_round)
+        _require(f.min_available_clients >= 0, "federation.min_available_clients", "must be >= 0",
+                 f.min_available_clients)
+        _require(f.min_available_clients <= f.num_clients, "federation.min_available_clients",
+                 f"cannot exceed federation.num_clients ({f.num_clients})", f.min_available_clients)
+        _require(f.round_timeout_s > 0, "federation.round_timeout_s", "must be > 0", f.round_timeout_s)
+        _require(f.node_wait_s >= 0, "federation.node_wait_s", "must be >= 0", f.node_wait_s)
+        if d.partition == "pathological":
+            num_classes = d.synthetic_classes if d.dataset == "synthetic" else None
+            if num_classes is not None:
+                _require(d.classes_per_client <= num_classes, "data.classes_per_client",
+                         f"cannot exceed the number of classes ({num_classes})", d.classes_per_client)
+
+        e = self.eval
+        _require(e.knn_every >= 0, "eval.knn_every", "must be >= 0", e.knn_every)
+        _require(e.knn_k >= 1, "eval.knn_k", "must be >= 1", e.knn_k)
+        _require(e.knn_temperature > 0, "eval.knn_temperature", "must be > 0", e.knn_temperature)
+        _require(e.probe_epochs >= 1, "eval.probe_epochs", "must be >= 1", e.probe_epochs)
+        _require(e.max_train >= 0, "eval.max_train", "must be >= 0", e.max_train)
+        _require(e.max_test >= 0, "eval.max_test", "must be >= 0", e.max_test)
+        _one_of(e.device, DEVICES, "eval.device")
+
+    def check_files(self) -> None:
+        """Check that the data the config names exists on this machine (the server's, at start).
+
+        Kept apart from ``validate`` because a deployed client may read its data from elsewhere.
+        """
+        d = self.data
+        if d.path and d.dataset != "synthetic":
+            p = Path(d.path).expanduser()
+            _require(p.exists(), "data.path", f"does not exist (resolved to {p.resolve()})", d.path)
+            if d.dataset == "npz" or p.suffix == ".npz":
+                _require(p.is_file(), "data.path", "must be an .npz file", d.path)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def clients_per_round(self) -> int:
+        return self.federation.clients_per_round or self.federation.num_clients
+
+    @property
+    def min_available_clients(self) -> int:
+        return self.federation.min_available_clients or self.federation.num_clients
+
+    def round_lr(self, server_round: int) -> float:
+        """Learning rate of a (1-based) round: cosine decay across rounds, constant within one."""
+        if self.train.lr_schedule == "constant":
+            return self.train.lr
+        progress = (server_round - 1) / max(1, self.rounds)
+        return self.train.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def validate_component_options(options: Mapping[str, Any], defaults: Mapping[str, Any], key: str) -> dict:
+    """Merge ``options`` over a component's ``defaults``; unknown names and wrong types raise ConfigError."""
+    merged = dict(defaults)
+    for name, value in options.items():
+        if name not in defaults:
+            raise ConfigError(f"{key}.{name}: unknown option (valid: {', '.join(sorted(defaults)) or 'none'})")
+        default = defaults[name]
+        if default is not None and not _type_matches(value, type(default)):
+            raise ConfigError(
+                f"{key}.{name}: expected {type(default).__name__}, got {type(value).__name__} ({value!r})"
+            )
+        merged[name] = float(value) if isinstance(default, float) and not isinstance(value, bool) else value
+    return merged
+
+
+def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:
+    """Set ``tree['a']['b'] = value`` for ``dotted_key='a.b'``, creating mappings on the way."""
+    parts = dotted_key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted_key}: cannot set a sub-key of {part!r}, which is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Dotted names of every scalar setting (the keys the run config may override)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += leaf_keys(hint, f"{prefix}{f.name}.")
+        elif hint is not dict:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _build_dataclass(cls: type, data: Any, prefix: str):
+    where = prefix.rstrip(".") or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} ({data!r})")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key (valid keys{' in ' + where if prefix else ''}: "
+            f"{', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        value, hint, key = data[name], hints[name], prefix + name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build_dataclass(hint, value, key + ".")
+        elif hint is dict:
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} ({value!r})")
+            kwargs[name] = dict(value)
+        else:
+            if not _type_matches(value, hint):
+                raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} ({value!r})")
+            kwargs[name] = float(value) if hint is float else value
+    return cls(**kwargs)
+
+
+def _type_matches(value: Any, expected: type) -> bool:
+    if expected is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # bool is an int subclass: never accept it for numbers
+        return False
+    if expected is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, expected)
+
+
+def _require(ok: bool, key: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {what} (got {value!r})")
+
+
+def _one_of(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)} (got {value!r})")

@@ -1,0 +1,350 @@
+"""Image data sets for federated SSL: loaders, a synthetic data set, and stratified subsampling.
+
+Everything here returns NHWC ``uint8`` image arrays and ``int64`` label arrays (the project-wide
+convention); conversion to float NCHW happens on the training device (see ``ssl_models.augment``).
+
+Sources:
+
+* ``.npz`` files holding ``x_train``, ``y_train``, ``x_test``, ``y_test`` (any data set a user exports);
+* torchvision's on-disk formats of CIFAR-10, CIFAR-100 and STL-10 (labelled train/test splits);
+* a deterministic synthetic data set with class-dependent patterns, for smoke tests without files.
+
+Loaded files are cached per process (see ``load_npz``) because simulated clients living in one
+process reload the same file every round. This module never imports flwr; torchvision is imported
+only when a torchvision data set is actually requested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ssl_models.partition import stratified_choice
+
+DATASET_NAMES = ("cifar10", "cifar100", "stl10", "npz", "synthetic")
+TORCHVISION_DATASETS = {"cifar10": 10, "cifar100": 100, "stl10": 10}
+# Same default as ``DataConfig.path`` documents: a per-user cache folder, never a machine path.
+DEFAULT_TORCHVISION_ROOT = "~/.cache/fedssl/data"
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+# How many distinct files / torchvision roots stay cached per process (each CIFAR copy is ~180 MB).
+_CACHE_SIZE = 4
+
+
+@dataclass
+class ImageData:
+    """A labelled image data set split into train and test parts.
+
+    ``x_*`` are NHWC ``uint8`` arrays with 3 channels, ``y_*`` are 1-D ``int64`` label arrays.
+    Arrays returned by the cached loaders are shared between callers: treat them as read-only
+    (index them, which copies, instead of writing into them).
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    name: str
+
+    @property
+    def image_size(self) -> int:
+        """Height of the training images (all supported data sets use square images)."""
+        return int(self.x_train.shape[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def validate_images(images: np.ndarray, array_name: str, source: str) -> None:
+    """Raise ``ValueError`` unless ``images`` is an NHWC ``uint8`` array with 3 channels."""
+    if not isinstance(images, np.ndarray):
+        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(images).__name__}")
+    if images.ndim != 4 or images.shape[-1] != 3:
+        hint = ""
+        if images.ndim == 4 and images.shape[1] == 3:
+            hint = " (it looks like NCHW; transpose it to NHWC with x.transpose(0, 2, 3, 1))"
+        raise ValueError(
+            f"{source}: {array_name} must have shape (N, H, W, 3) (NHWC, RGB; NCHW is not accepted), "
+            f"got shape {images.shape}{hint}"
+        )
+    if images.dtype != np.uint8:
+        raise ValueError(f"{source}: {array_name} must have dtype uint8 (pixel values 0..255), got {images.dtype}")
+
+
+def validate_labels(labels: np.ndarray, array_name: str, num_images: int, source: str) -> np.ndarray:
+    """Check a label array (1-D, integer, non-negative, one per image) and return it as ``int64``."""
+    if not isinstance(labels, np.ndarray):
+        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(labels).__name__}")
+    if labels.ndim != 1:
+        raise ValueError(f"{source}: {array_name} must be 1-D (one integer label per image), got shape {labels.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{source}: {array_name} must have an integer dtype, got {labels.dtype}")
+    if labels.shape[0] != num_images:
+        raise ValueError(
+            f"{source}: {array_name} has {labels.shape[0]} labels but the matching images array has {num_images} images"
+        )
+    if labels.size and labels.min() < 0:
+        raise ValueError(f"{source}: {array_name} holds negative labels (min {labels.min()}); labels must be >= 0")
+    return labels.astype(np.int64, copy=False)
+
+
+def _count_classes(*label_arrays: np.ndarray) -> int:
+    """Number of classes implied by integer labels 0..K-1 (largest label + 1)."""
+    largest = max((int(y.max()) for y in label_arrays if y.size), default=-1)
+    return largest + 1
+
+
+def _build_image_data(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    name: str,
+    source: str,
+    num_classes: int | None = None,
+) -> ImageData:
+    """Validate the four arrays and wrap them into an ``ImageData``."""
+    validate_images(x_train, "x_train", source)
+    validate_images(x_test, "x_test", source)
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"{source}: x_train images are {x_train.shape[1:]} but x_test images are {x_test.shape[1:]}")
+    y_train = validate_labels(y_train, "y_train", x_train.shape[0], source)
+    y_test = validate_labels(y_test, "y_test", x_test.shape[0], source)
+    implied = _count_classes(y_train, y_test)
+    if num_classes is None:
+        num_classes = implied
+    elif implied > num_classes:
+        raise ValueError(f"{source}: labels go up to {implied - 1} but the data set has {num_classes} classes")
+    return ImageData(x_train, y_train, x_test, y_test, num_classes=num_classes, name=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# .npz files
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> ImageData:
+    """Read and validate one .npz file; keyed on (path, mtime, size) so an edited file is re-read."""
+    del mtime_ns, size_bytes  # only part of the cache key
+    source = f"npz file {resolved_path}"
+    with np.load(resolved_path, allow_pickle=False) as archive:
+        missing = [key for key in NPZ_KEYS if key not in archive.files]
+        if missing:
+            raise ValueError(f"{source} lacks the arrays {missing}; it must hold {list(NPZ_KEYS)} (has {archive.files})")
+        arrays = {key: archive[key] for key in NPZ_KEYS}
+    return _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
+
+
+def load_npz(path: str | Path, name: str | None = None, num_classes: int | None = None) -> ImageData:
+    """Load an ``.npz`` holding ``x_train``, ``y_train``, ``x_test``, ``y_test``.
+
+    Images must be NHWC ``uint8`` with 3 channels (NCHW is rejected with a hint), labels 1-D
+    integers. ``name`` defaults to the file's stem; ``num_classes`` defaults to the largest label + 1.
+
+    The parsed file is cached per process (``functools.lru_cache`` keyed on the resolved path, the
+    modification time and the size): simulated clients in one process call this every round and
+    decompressing CIFAR-10 takes seconds. The returned arrays are therefore shared; do not write
+    into them.
+    """
+    file_path = Path(path).expanduser()
+    if not file_path.is_file():
+        raise FileNotFoundError(f"npz data file not found: {file_path} (resolved to {file_path.resolve()})")
+    stat = file_path.stat()
+    data = _load_npz_cached(str(file_path.resolve()), stat.st_mtime_ns, stat.st_size)
+    # A shallow copy so that callers re-labelling the result cannot alter the cached object.
+    relabelled = dataclasses.replace(data, name=name or data.name)
+    if num_classes is not None:
+        if data.num_classes > num_classes:
+            raise ValueError(
+                f"npz file {file_path}: labels go up to {data.num_classes - 1} but num_classes={num_classes}"
+            )
+        relabelled.num_classes = num_classes
+    return relabelled
+
+
+# --------------------------------------------------------------------------------------------------
+# torchvision on-disk formats
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_torchvision_split(name: str, root: str, train: bool, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Read one labelled split with torchvision and return (NHWC uint8 images, int64 labels)."""
+    from torchvision import datasets  # deferred: only this loader needs torchvision
+
+    if name == "cifar10":
+        dataset = datasets.CIFAR10(root, train=train, download=download)
+        return np.asarray(dataset.data), np.asarray(dataset.targets, dtype=np.int64)
+    if name == "cifar100":
+        dataset = datasets.CIFAR100(root, train=train, download=download)
+        return np.asarray(dataset.data), np.asarray(dataset.targets, dtype=np.int64)
+    # STL-10 stores NCHW; the labelled "train"/"test" splits are enough here (no "unlabeled").
+    dataset = datasets.STL10(root, split="train" if train else "test", download=download)
+    images = np.ascontiguousarray(np.asarray(dataset.data).transpose(0, 2, 3, 1))
+    return images, np.asarray(dataset.labels, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _load_torchvision_cached(name: str, root: str, download: bool) -> ImageData:
+    """Read both splits of a torchvision data set once per process (failures are not cached)."""
+    x_train, y_train = _read_torchvision_split(name, root, train=True, download=download)
+    x_test, y_test = _read_torchvision_split(name, root, train=False, download=download)
+    return _build_image_data(
+        x_train, y_train, x_test, y_test, name=name, source=f"torchvision {name} under {root}",
+        num_classes=TORCHVISION_DATASETS[name],
+    )
+
+
+def load_torchvision(name: str, root: str | Path | None = None, download: bool = False) -> ImageData:
+    """Load CIFAR-10, CIFAR-100 or STL-10 (labelled splits) from torchvision's on-disk format.
+
+    ``root`` is the folder torchvision reads (default ``~/.cache/fedssl/data``). Missing files,
+    or a failed download (this project often runs without network), raise ``FileNotFoundError``
+    telling the user to pass an ``.npz`` instead or to place the torchvision files under ``root``.
+    Results are cached per process like ``load_npz``'s.
+    """
+    if name not in TORCHVISION_DATASETS:
+        raise ValueError(f"name must be one of {sorted(TORCHVISION_DATASETS)} for torchvision loading, got {name!r}")
+    root_path = Path(root if root is not None else DEFAULT_TORCHVISION_ROOT).expanduser().resolve()
+    try:
+        return dataclasses.replace(_load_torchvision_cached(name, str(root_path), bool(download)))
+    except (RuntimeError, OSError) as err:  # torchvision: RuntimeError "not found"; URLError is an OSError
+        action = "download failed" if download else "files are missing and download=False"
+        raise FileNotFoundError(
+            f"could not load {name} from torchvision root {root_path} ({action}: {err}). "
+            f"Pass an .npz file with x_train/y_train/x_test/y_test (dataset 'npz' or path=...), "
+            f"or place the torchvision {name} files under {root_path}."
+        ) from err
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic data
+# --------------------------------------------------------------------------------------------------
+
+
+def _class_patterns(num_classes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per-class base colours (K, 3) and oriented grating parameters (K, 2): frequency, angle."""
+    colours = rng.uniform(0.15, 0.85, size=(num_classes, 3))
+    frequencies = rng.uniform(1.0, 4.0, size=num_classes)
+    # Evenly spread orientations (shuffled) keep classes with similar colours apart.
+    angles = rng.permutation(np.linspace(0.0, math.pi, num_classes, endpoint=False))
+    return colours, np.stack([frequencies, angles], axis=1)
+
+
+def _render_images(
+    labels: np.ndarray, colours: np.ndarray, gratings: np.ndarray, image_size: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Draw each image as its class colour plus its class grating (random small phase) plus noise."""
+    coords = (np.arange(image_size) + 0.5) / image_size
+    yy, xx = np.meshgrid(coords, coords, indexing="ij")
+    freq = gratings[labels, 0][:, None, None]
+    angle = gratings[labels, 1][:, None, None]
+    phase = rng.uniform(-math.pi / 4, math.pi / 4, size=(len(labels), 1, 1))
+    wave = np.sin(2 * math.pi * freq * (xx * np.cos(angle) + yy * np.sin(angle)) + phase)
+    images = colours[labels][:, None, None, :] + 0.25 * wave[..., None]
+    images = images + rng.normal(0.0, 0.08, size=images.shape)
+    return np.clip(np.rint(images * 255.0), 0, 255).astype(np.uint8)
+
+
+def _balanced_labels(count: int, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` labels with class sizes differing by at most one, in random order."""
+    return rng.permutation(np.arange(count) % num_classes).astype(np.int64)
+
+
+def synthetic_dataset(
+    num_train: int = 600, num_test: int = 200, num_classes: int = 10, image_size: int = 32, seed: int = 0
+) -> ImageData:
+    """A deterministic toy data set where each class is a distinct colour and oriented grating.
+
+    Noise and a small random phase make samples of a class differ, yet a kNN on raw pixels does
+    clearly better than chance, so the whole pipeline (augment -> train -> kNN eval) can be smoke
+    tested without any file. Same arguments -> identical arrays.
+    """
+    for arg_name, value, lowest in (("num_train", num_train, 1), ("num_test", num_test, 1),
+                                    ("num_classes", num_classes, 2), ("image_size", image_size, 4)):
+        if int(value) != value or value < lowest:
+            raise ValueError(f"{arg_name} must be an integer >= {lowest}, got {value!r}")
+    rng = np.random.default_rng(seed)
+    colours, gratings = _class_patterns(num_classes, rng)
+    y_train = _balanced_labels(num_train, num_classes, rng)
+    y_test = _balanced_labels(num_test, num_classes, rng)
+    x_train = _render_images(y_train, colours, gratings, image_size, rng)
+    x_test = _render_images(y_test, colours, gratings, image_size, rng)
+    return ImageData(x_train, y_train, x_test, y_test, num_classes=num_classes, name="synthetic")
+
+
+# --------------------------------------------------------------------------------------------------
+# Dispatch and subsampling
+# --------------------------------------------------------------------------------------------------
+
+
+def _synthetic_args(synthetic_sizes: Sequence[int]) -> tuple[int, int, int, int]:
+    """Unpack ``(num_train, num_test, num_classes[, image_size])``."""
+    sizes = tuple(int(v) for v in synthetic_sizes)
+    if len(sizes) == 3:
+        return sizes + (32,)
+    if len(sizes) == 4:
+        return sizes  # type: ignore[return-value]
+    raise ValueError(
+        f"synthetic_sizes must be (num_train, num_test, num_classes) or (..., image_size), got {synthetic_sizes!r}"
+    )
+
+
+def load_dataset(
+    name: str,
+    path: str | Path | None = None,
+    root: str | Path | None = None,
+    download: bool = False,
+    seed: int = 0,
+    synthetic_sizes: Sequence[int] = (600, 200, 10),
+) -> ImageData:
+    """Load a data set by name: ``cifar10``, ``cifar100``, ``stl10``, ``npz`` or ``synthetic``.
+
+    * ``npz``: ``path`` names the file (required).
+    * ``cifar10`` / ``cifar100`` / ``stl10``: if ``path`` is an existing file it is read as an
+      ``.npz`` export of that data set (e.g. the CIFAR-10 dev copy); otherwise torchvision's files
+      are read from ``root`` (or from ``path`` when it is a folder; default ``~/.cache/fedssl/data``).
+    * ``synthetic``: ``synthetic_sizes = (num_train, num_test, num_classes[, image_size])`` and
+      ``seed`` drive ``synthetic_dataset``.
+    """
+    if name not in DATASET_NAMES:
+        raise ValueError(f"name must be one of {list(DATASET_NAMES)}, got {name!r}")
+    if name == "synthetic":
+        num_train, num_test, num_classes, image_size = _synthetic_args(synthetic_sizes)
+        return synthetic_dataset(num_train, num_test, num_classes, image_size=image_size, seed=seed)
+    if name == "npz":
+        if not path:
+            raise ValueError("path must name an .npz file when name is 'npz'")
+        return load_npz(path)
+    if path and Path(path).expanduser().is_file():
+        return load_npz(path, name=name, num_classes=TORCHVISION_DATASETS[name])
+    if path and root is None:
+        if Path(path).suffix == ".npz":
+            raise FileNotFoundError(f"npz data file not found: {path}")
+        root = path
+    return load_torchvision(name, root, download)
+
+
+def subsample(labels: np.ndarray, max_items: int | None, seed: int = 0) -> np.ndarray:
+    """Sorted indices of a deterministic, class-stratified subsample of at most ``max_items`` items.
+
+    Each class keeps a share proportional to its size, and every class keeps at least one item
+    whenever ``max_items`` is at least the number of classes present. ``max_items`` None or 0 (or
+    larger than the data) keeps everything.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be a 1-D array, got shape {labels.shape}")
+    if max_items is not None and (int(max_items) != max_items or max_items < 0):
+        raise ValueError(f"max_items must be None or an integer >= 0, got {max_items!r}")
+    if not max_items or max_items >= labels.shape[0]:
+        return np.arange(labels.shape[0], dtype=np.int64)
+    return stratified_choice(labels, int(max_items), np.random.default_rng(seed))

@@ -1,0 +1,169 @@
+"""CIFAR-style ResNet backbones for self-supervised learning.
+
+The networks follow the usual CIFAR adaptation of ResNet (as used by EasyFL/FedEMA, SimCLR's CIFAR
+experiments and solo-learn): the ImageNet 7x7 stride-2 stem and max-pool are replaced by a single 3x3
+stride-1 convolution, because 32x32 inputs would otherwise be down-sampled to 8x8 before the first block.
+The classification layer is dropped: every backbone returns pooled, flattened features of shape
+``(N, feature_dim)`` so SSL heads can be attached on top.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BASE_WIDTHS: tuple[int, int, int, int] = (64, 128, 256, 512)
+STAGE_STRIDES: tuple[int, int, int, int] = (1, 2, 2, 2)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut; used by ResNet-18/34."""
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, channels: int, stride: int = 1) -> None:
+        super().__init__()
+        out_channels = channels * self.expansion
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, out_channels, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = _shortcut(in_channels, out_channels, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3, 1x1 expand (x4) with a shortcut; used by ResNet-50 (stride on the 3x3, as in v1.5)."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, channels: int, stride: int = 1) -> None:
+        super().__init__()
+        out_channels = channels * self.expansion
+        self.conv1 = nn.Conv2d(in_channels, channels, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.conv3 = nn.Conv2d(channels, out_channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = _shortcut(in_channels, out_channels, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + self.shortcut(x))
+
+
+def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Module:
+    """Identity when shapes match, otherwise a strided 1x1 conv + BN so the residual sum is well defined."""
+    if stride == 1 and in_channels == out_channels:
+        return nn.Identity()
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+        nn.BatchNorm2d(out_channels),
+    )
+
+
+BlockType = type[BasicBlock] | type[Bottleneck]
+
+# arch name -> (block type, number of blocks per stage)
+ARCHITECTURES: dict[str, tuple[BlockType, tuple[int, int, int, int]]] = {
+    "resnet18": (BasicBlock, (2, 2, 2, 2)),
+    "resnet34": (BasicBlock, (3, 4, 6, 3)),
+    "resnet50": (Bottleneck, (3, 4, 6, 3)),
+}
+
+
+def scaled_widths(width: float) -> tuple[int, ...]:
+    """Base stage widths 64/128/256/512 scaled by ``width``, never below one channel."""
+    if not width > 0:
+        raise ValueError(f"width must be a positive number, got {width!r}")
+    return tuple(max(1, round(base * width)) for base in BASE_WIDTHS)
+
+
+class CifarResNet(nn.Module):
+    """ResNet trunk with a CIFAR stem, ending in global average pooling and flattening.
+
+    ``feature_dim`` is the number of channels of the last stage, i.e. the length of the returned vectors.
+    """
+
+    def __init__(
+        self,
+        block: BlockType,
+        blocks_per_stage: tuple[int, ...],
+        widths: tuple[int, ...],
+    ) -> None:
+        super().__init__()
+        if len(blocks_per_stage) != len(widths):
+            raise ValueError(
+                f"blocks_per_stage ({len(blocks_per_stage)} stages) and widths "
+                f"({len(widths)} stages) must have the same length"
+            )
+        stem_channels = widths[0]
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, stem_channels, 3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(stem_channels),
+            nn.ReLU(inplace=True),
+        )
+        stages: list[nn.Module] = []
+        in_channels = stem_channels
+        for num_blocks, channels, stride in zip(blocks_per_stage, widths, STAGE_STRIDES):
+            stage, in_channels = _make_stage(block, in_channels, channels, num_blocks, stride)
+            stages.append(stage)
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten(1)
+        self.feature_dim = in_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.flatten(self.pool(x))
+
+
+def _make_stage(
+    block: BlockType, in_channels: int, channels: int, num_blocks: int, stride: int
+) -> tuple[nn.Sequential, int]:
+    """Stack ``num_blocks`` blocks; only the first one changes stride/width. Returns (stage, out channels)."""
+    layers: list[nn.Module] = []
+    for index in range(num_blocks):
+        layers.append(block(in_channels, channels, stride if index == 0 else 1))
+        in_channels = channels * block.expansion
+    return nn.Sequential(*layers), in_channels
+
+
+def _init_weights(module: nn.Module) -> None:
+    """Kaiming-normal convolutions and unit/zero BN, the standard ResNet initialisation."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Conv2d):
+            nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(layer, nn.BatchNorm2d):
+            nn.init.ones_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+
+def available_backbones() -> list[str]:
+    """Names accepted by :func:`build_backbone`."""
+    return sorted(ARCHITECTURES)
+
+
+def build_backbone(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
+    """Build a CIFAR ResNet trunk and return ``(module, feature_dim)``.
+
+    ``module(x)`` maps float NCHW images to ``(N, feature_dim)`` features. ``feature_dim`` is read from the
+    built layers (512*width for ResNet-18/34, 2048*width for ResNet-50, up to rounding).
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {available_backbones()}, got {arch!r}")
+    block, blocks_per_stage = ARCHITECTURES[arch]
+    model = CifarResNet(block, blocks_per_stage, scaled_widths(width))
+    _init_weights(model)
+    return model, model.feature_dim
+

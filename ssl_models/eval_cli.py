@@ -1,0 +1,203 @@
+"""``fedssl-eval``: score a saved encoder (``model.pt``) with the project's fixed kNN / linear-probe protocol.
+
+Usage::
+
+    fedssl-eval MODEL.pt DATA.npz [--knn-k 200] [--knn-t 0.1] [--probe-epochs 100] [--max-train N]
+                [--max-test N] [--device auto|cpu|cuda] [--batch-size 512] [--export-features PATH]
+                [--no-linear] [--seed 0]
+
+The encoder is fitted on (kNN bank / probe training set) the ``x_train``/``y_train`` arrays of the ``.npz``
+and scored on ``x_test``/``y_test``. Exactly one JSON line goes to stdout so the output can be piped or
+appended to a results file; progress goes to stderr. Errors in the inputs (missing files, a file that is not
+an encoder checkpoint, a malformed ``.npz``) print one message to stderr and exit with status 2.
+
+The protocol is described in :mod:`ssl_models.evaluation`. New evaluation modes (e.g. semi-supervised
+fine-tuning) are meant to be added as further flags rather than subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ssl_models.checkpoint import load_encoder_checkpoint
+from ssl_models.data import ImageData, load_npz, subsample
+from ssl_models.evaluation import DEFAULT_PROTOCOL, evaluate_backbone
+
+PROGRAM = "fedssl-eval"
+
+
+class UsageError(Exception):
+    """A problem with the user's inputs: reported as one line on stderr with exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM,
+        description="Evaluate a saved SSL encoder with weighted kNN and a linear probe on frozen features.",
+    )
+    parser.add_argument("model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt)")
+    parser.add_argument("data", help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)")
+    parser.add_argument("--knn-k", type=_positive_int, default=DEFAULT_PROTOCOL["knn_k"],
+                        help="neighbours in the weighted kNN vote (default %(default)s)")
+    parser.add_argument("--knn-t", type=_positive_float, default=DEFAULT_PROTOCOL["knn_temperature"],
+                        help="kNN temperature (default %(default)s)")
+    parser.add_argument("--probe-epochs", type=_positive_int, default=DEFAULT_PROTOCOL["probe_epochs"],
+                        help="linear-probe epochs (default %(default)s)")
+    parser.add_argument("--max-train", type=_positive_int, default=None,
+                        help="class-stratified, seeded subsample of the train split (default: all)")
+    parser.add_argument("--max-test", type=_positive_int, default=None,
+                        help="class-stratified, seeded subsample of the test split (default: all)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto picks cuda when available (default %(default)s)")
+    parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_PROTOCOL["feature_batch_size"],
+                        help="feature-extraction batch size (default %(default)s)")
+    parser.add_argument("--export-features", metavar="PATH", default=None,
+                        help="also write train/test features and labels to this .npz")
+    parser.add_argument("--no-linear", action="store_true", help="skip the linear probe (kNN only)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_PROTOCOL["seed"],
+                        help="seed of the subsampling and the probe's shuffling (default %(default)s)")
+    return parser
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu; an explicit ``cuda`` without a GPU is a usage error."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was requested but no CUDA device is available")
+    return torch.device(choice)
+
+
+def _progress(message: str) -> None:
+    print(f"[{PROGRAM}] {message}", file=sys.stderr, flush=True)
+
+
+def _load_data(path: str) -> ImageData:
+    try:
+        return load_npz(path)
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from error
+    except (ValueError, OSError, KeyError, EOFError) as error:  # wrong keys/shapes, not a zip, truncated
+        raise UsageError(f"cannot read data file {path}: {error}") from error
+
+
+def _load_model(path: str, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
+    try:
+        return load_encoder_checkpoint(path, map_location=device)
+    except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
+        raise UsageError(str(error)) from error
+
+
+def _subsample_split(images: np.ndarray, labels: np.ndarray, limit: int | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    index = subsample(labels, limit, seed=seed)
+    if len(index) == len(labels):
+        return images, labels
+    return images[index], labels[index]
+
+
+def export_features(path: str, result: dict[str, Any], y_train: np.ndarray, y_test: np.ndarray) -> None:
+    """Write features and labels to ``path`` (.npz): train_features, train_labels, test_features, test_labels."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("wb") as handle:  # a file handle keeps numpy from appending ".npz" to other suffixes
+        np.savez(
+            handle,
+            train_features=result["train_features"].numpy(),
+            train_labels=np.asarray(y_train, dtype=np.int64),
+            test_features=result["test_features"].numpy(),
+            test_labels=np.asarray(y_test, dtype=np.int64),
+        )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Do the evaluation described by parsed ``args`` and return the JSON-ready record."""
+    started = time.perf_counter()
+    device = resolve_device(args.device)
+    backbone, info = _load_model(args.model, device)
+    _progress(f"loaded {info['arch']} (width {info['width']}, {info['feature_dim']}-d features) on {device}")
+    data = _load_data(args.data)
+    x_train, y_train = _subsample_split(data.x_train, data.y_train, args.max_train, args.seed)
+    x_test, y_test = _subsample_split(data.x_test, data.y_test, args.max_test, args.seed)
+    if len(x_train) == 0 or len(x_test) == 0:
+        raise UsageError(f"data file {args.data} has an empty train or test split")
+    _progress(f"{len(x_train)} train / {len(x_test)} test images, {data.num_classes} classes")
+    protocol = {
+        "feature_batch_size": args.batch_size,
+        "knn_k": args.knn_k,
+        "knn_temperature": args.knn_t,
+        "probe_epochs": args.probe_epochs,
+        "probe_lr": DEFAULT_PROTOCOL["probe_lr"],
+        "probe_batch_size": DEFAULT_PROTOCOL["probe_batch_size"],
+        "probe_weight_decay": DEFAULT_PROTOCOL["probe_weight_decay"],
+        "seed": args.seed,
+    }
+    result = evaluate_backbone(
+        backbone, x_train, y_train, x_test, y_test, data.num_classes, device,
+        knn=True, linear=not args.no_linear, return_features=args.export_features is not None, **protocol,
+    )
+    _progress(f"knn_acc={result['knn_acc']} linear_probe_acc={result['linear_probe_acc']}")
+    if args.export_features is not None:
+        try:
+            export_features(args.export_features, result, y_train, y_test)
+        except OSError as error:
+            raise UsageError(f"cannot write --export-features file {args.export_features}: {error}") from error
+        _progress(f"features written to {args.export_features}")
+    return {
+        "model_path": args.model,
+        "data_path": args.data,
+        "arch": info["arch"],
+        "width": info["width"],
+        "knn_acc": result["knn_acc"],
+        "linear_probe_acc": result["linear_probe_acc"],
+        "num_train": result["num_train"],
+        "num_test": result["num_test"],
+        "num_classes": data.num_classes,
+        "feature_dim": result["feature_dim"],
+        "device": str(device),
+        "protocol": {**protocol, "max_train": args.max_train, "max_test": args.max_test, "linear": not args.no_linear},
+        "seconds": round(time.perf_counter() - started, 3),
+        "seconds_by_step": {step: round(value, 3) for step, value in result["seconds"].items()},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status (0 ok, 2 bad arguments or inputs)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # argparse already printed usage/help; keep main() returning a code
+        return int(exit_request.code or 0)
+    try:
+        record = run(args)
+    except UsageError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Build SSL models from an experiment config and split their state into shared and local parts.
+
+What is exchanged with the server is decided by state_dict key prefixes (see
+``SSLMethod.shared_prefixes``): the online encoder and projector, the predictor when the method has
+one, and the target branch only in the "update-both" variant. Everything else (target branch, MoCo
+queue) stays on the client.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from .config import ExperimentConfig, validate_component_options
+from .encoders import build_backbone
+from .methods import build_method, method_default_options
+
+
+def method_options(cfg: ExperimentConfig) -> dict:
+    """The method's options with defaults filled in; unknown options raise ConfigError."""
+    return validate_component_options(cfg.method.options, method_default_options(cfg.method.name),
+                                      "method.options")
+
+
+def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None) -> torch.nn.Module:
+    """A freshly initialised SSL method; the same seed gives the same weights."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    backbone, feature_dim = build_backbone(cfg.model.arch, cfg.model.width)
+    return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
+
+
+def split_state(method: torch.nn.Module, prefixes: tuple[str, ...]) -> tuple[OrderedDict, OrderedDict]:
+    """(shared, local) state dicts of ``method``: keys starting with one of ``prefixes`` are shared."""
+    shared, local = OrderedDict(), OrderedDict()
+    for key, value in method.state_dict().items():
+        (shared if key.startswith(prefixes) else local)[key] = value.detach().contiguous()
+    return shared, local
+
+
+def state_to_numpy(state: dict[str, torch.Tensor]) -> OrderedDict:
+    return OrderedDict((k, v.detach().cpu().contiguous().numpy()) for k, v in state.items())
+
+
+def load_partial_state(method: torch.nn.Module, state: dict[str, np.ndarray | torch.Tensor]) -> None:
+    """Load some entries of the state dict; a key the model lacks or a shape mismatch is an error."""
+    own = method.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise KeyError(f"state has keys the model does not: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+    with torch.no_grad():
+        for key, value in state.items():
+            tensor = torch.as_tensor(value)
+            if tensor.ndim <= 1 and tensor.numel() == 1 and own[key].ndim == 0:
+                tensor = tensor.reshape(())  # transport turns 0-d arrays (BN's num_batches_tracked) into (1,)
+            if tuple(tensor.shape) != tuple(own[key].shape):
+                raise ValueError(f"{key}: shape {tuple(tensor.shape)} does not match the model's "
+                                 f"{tuple(own[key].shape)}")
+            own[key].copy_(tensor.to(own[key].dtype))
+
+
+def reset_target_from_online(method: torch.nn.Module) -> None:
+    """Make every ``target_X`` module an exact copy of its online ``X`` (first participation)."""
+    state = method.state_dict()
+    with torch.no_grad():
+        for key, value in state.items():
+            if key.startswith("target_"):
+                source = key[len("target_"):]
+                if source in state:
+                    value.copy_(state[source])
+
+
+def backbone_state(shared: dict[str, np.ndarray]) -> OrderedDict:
+    """The online backbone's own state dict (prefix ``backbone.`` stripped) from a shared state."""
+    return OrderedDict((k[len("backbone."):], v) for k, v in shared.items() if k.startswith("backbone."))

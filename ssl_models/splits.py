@@ -1,0 +1,77 @@
+"""The federated view of a data set: which training images each client and the server hold.
+
+Server and clients compute the same split from the same config (everything is seeded), so only the
+config travels, never index lists. Order of operations, fixed so that results are reproducible:
+1. load the data set; 2. class-stratified subsample of ``data.max_train`` training images;
+3. carve the server-held public/auxiliary split (never given to a client);
+4. partition what remains among ``federation.num_clients`` clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ExperimentConfig
+from .data import ImageData, load_dataset, subsample
+from .partition import partition_indices, public_split
+
+
+@dataclass(frozen=True)
+class FederatedSplit:
+    public_idx: np.ndarray  # indices into x_train held by the server only
+    client_idx: tuple[np.ndarray, ...]  # per client, indices into x_train
+
+
+def load_experiment_data(cfg: ExperimentConfig, path: str | None = None) -> ImageData:
+    """The experiment's data set (files are cached by ``ssl_models.data``). ``path`` overrides data.path."""
+    d = cfg.data
+    return load_dataset(d.dataset, path=(path or d.path or None), download=d.download, seed=cfg.seed,
+                        synthetic_sizes=(d.synthetic_train, d.synthetic_test, d.synthetic_classes))
+
+
+def federated_split(cfg: ExperimentConfig, labels: np.ndarray) -> FederatedSplit:
+    d = cfg.data
+    key = (d.max_train, d.public_size, d.partition, d.alpha, d.min_size, d.classes_per_client,
+           cfg.federation.num_clients, cfg.seed, hashlib.sha1(labels.tobytes()).hexdigest())
+    # Simulated clients share a process and ask for the same split every round: compute it once.
+    if key not in _SPLIT_CACHE:
+        if len(_SPLIT_CACHE) >= 4:
+            _SPLIT_CACHE.pop(next(iter(_SPLIT_CACHE)))
+        _SPLIT_CACHE[key] = _compute_split(key, labels)
+    return _SPLIT_CACHE[key]
+
+
+_SPLIT_CACHE: dict[tuple, FederatedSplit] = {}
+
+
+def _compute_split(key: tuple, labels: np.ndarray) -> FederatedSplit:
+    max_train, public_size, scheme, alpha, min_size, cpc, num_clients, seed, _ = key
+    used = subsample(labels, max_train or None, seed=seed)
+    public = np.zeros(0, dtype=np.int64)
+    if public_size:
+        size = int(public_size) if public_size >= 1 else float(public_size)
+        pub_local, rest_local = public_split(labels[used], size, seed=seed + 1)
+        public, used = used[pub_local], used[rest_local]
+    kwargs = {"dirichlet": {"alpha": alpha, "min_size": min_size},
+              "pathological": {"classes_per_client": cpc}}.get(scheme, {})
+    parts = partition_indices(labels[used], scheme, num_clients, seed + 2, **kwargs)
+    return FederatedSplit(public_idx=np.sort(public), client_idx=tuple(np.sort(used[p]) for p in parts))
+
+
+def client_images(cfg: ExperimentConfig, partition_id: int, data: ImageData | None = None) -> np.ndarray:
+    """The training images of one client (NHWC uint8)."""
+    n = cfg.federation.num_clients
+    if not 0 <= partition_id < n:
+        raise ValueError(f"partition-id {partition_id} out of range for {n} clients")
+    data = data or load_experiment_data(cfg)
+    return data.x_train[federated_split(cfg, data.y_train).client_idx[partition_id]]
+
+
+def eval_subsets(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the labelled train images (kNN bank, probe fit) and test images used for evaluation."""
+    e = cfg.eval
+    return (subsample(data.y_train, e.max_train or None, seed=cfg.seed + 3),
+            subsample(data.y_test, e.max_test or None, seed=cfg.seed + 4))

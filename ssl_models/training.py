@@ -1,0 +1,188 @@
+"""Local SSL training: one plain PyTorch loop used by clients, the server and the benchmarks.
+
+The fast path (on by default, off with ``fast_path=False``):
+- CUDA: autocast to bfloat16 where the GPU supports it, else float16 with a gradient scaler;
+- CPU: bfloat16 autocast when the processor has native bf16 matrix units (AMX or AVX512-BF16);
+  elsewhere bf16 on CPU is slower than fp32, so the loop stays in fp32;
+- channels-last memory format for the model and the batches (faster convolutions on both).
+Losses are computed in float32 by the methods themselves, so only the big matrix work runs in reduced
+precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from .augment import SSLAugment
+
+
+@dataclass
+class TrainStats:
+    loss: float  # mean loss over all local steps
+    num_examples: int  # images of the partition (what FedAvg weights by)
+    steps: int
+    seconds: float
+    images_per_s: float  # images (not views) processed per second
+    precision: str  # "fp32", "bf16" or "fp16"
+
+
+@dataclass(frozen=True)
+class FastPath:
+    autocast_dtype: torch.dtype | None
+    channels_last: bool
+    grad_scaler: bool
+
+    @property
+    def precision(self) -> str:
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.autocast_dtype]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without one is an error, not a silent CPU run."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU advertises native bf16 matrix instructions (AMX-BF16 or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def fast_path_for(device: torch.device, enabled: bool) -> FastPath:
+    if not enabled:
+        return FastPath(None, False, False)
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return FastPath(torch.bfloat16, True, False)
+        return FastPath(torch.float16, True, True)
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return FastPath(torch.bfloat16, True, False)
+    return FastPath(None, True, False)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer: unknown name {name!r} (valid: sgd, adam, adamw)")
+
+
+def train_ssl(
+    method: torch.nn.Module,
+    images: np.ndarray | torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    optimizer: str = "sgd",
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    device: torch.device | str = "cpu",
+    fast_path: bool = True,
+    drop_last: bool = True,
+    max_steps_per_epoch: int = 0,
+    seed: int = 0,
+    augment: SSLAugment | None = None,
+    loss_hook: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainStats:
+    """Train ``method`` (an ``SSLMethod``) on ``images`` (NHWC uint8) for ``epochs`` local epochs.
+
+    ``loss_hook(method)`` returns an extra loss term added to every step (FedProx, alignment terms).
+    The images are moved to the device once; every batch is augmented there into two views.
+    """
+    device = torch.device(device) if isinstance(device, str) else device
+    fp = fast_path_for(device, fast_path)
+    x = torch.as_tensor(images)
+    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
+        raise ValueError(f"images: expected NHWC uint8 with 3 channels, got {tuple(x.shape)} {x.dtype}")
+    n = int(x.shape[0])
+    if n < 2:
+        raise ValueError(f"images: need at least 2 images to train, got {n}")
+    x = x.to(device)
+    # A partition smaller than one batch still trains (one step per epoch on everything it has).
+    bs = min(batch_size, n)
+    steps_per_epoch = n // bs if drop_last else math.ceil(n / bs)
+    if max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, max_steps_per_epoch)
+
+    augment = (augment or SSLAugment(image_size=int(x.shape[1]))).to(device)
+    method.to(device)
+    if fp.channels_last:
+        method.to(memory_format=torch.channels_last)
+    method.train()
+    opt = make_optimizer(method.trainable_parameters(), optimizer, lr, momentum, weight_decay)
+    scaler = torch.amp.GradScaler("cuda") if fp.grad_scaler else None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    perm_gen = torch.Generator().manual_seed(seed)
+
+    total_loss, steps = 0.0, 0
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=perm_gen).to(device)
+        for step in range(steps_per_epoch):
+            batch = x[perm[step * bs:(step + 1) * bs]]
+            if batch.shape[0] < 2:  # a last partial batch of one image cannot form pairs
+                continue
+            v1, v2 = augment.two_views(batch, generator=gen)
+            if fp.channels_last:
+                v1 = v1.contiguous(memory_format=torch.channels_last)
+                v2 = v2.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
+                                enabled=fp.autocast_dtype is not None):
+                loss = method.training_step(v1, v2)
+                if loss_hook is not None:
+                    loss = loss + loss_hook(method)
+            opt.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            method.after_optimizer_step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"local SSL loss became {value} at epoch {epoch + 1} step {step + 1}")
+            total_loss += value
+            steps += 1
+        if log is not None:
+            log(f"epoch {epoch + 1}/{epochs}: mean loss so far {total_loss / max(1, steps):.4f}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    images_seen = steps * bs
+    return TrainStats(
+        loss=total_loss / max(1, steps),
+        num_examples=n,
+        steps=steps,
+        seconds=seconds,
+        images_per_s=images_seen / seconds if seconds > 0 else 0.0,
+        precision=fp.precision,
+    )

@@ -1,0 +1,14 @@
+"""Server-side Flower strategies; one module per strategy, registered here by config name."""
+
+from __future__ import annotations
+
+from .fedssl import FedSSL
+
+STRATEGIES = {cls.name: cls for cls in (FedSSL,)}
+
+
+def get_strategy_class(name: str):
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"strategy.name: unknown strategy {name!r} (valid: {', '.join(sorted(STRATEGIES))})") from None

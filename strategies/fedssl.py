@@ -1,0 +1,171 @@
+"""Generalized FedSSL strategy (FedSimCLR, FedMoCo, FedBYOL, FedSimSiam of the FedEMA paper).
+
+Each round the sampled clients receive the global online encoder + projector (+ predictor), train
+locally with their SSL method, and upload the same parts; the server averages them weighted by each
+client's number of examples. The target/momentum branch stays on the client unless ``update_both``
+is set (the paper's "update-both" variant, also EasyFL's ``aggregation_content: all``).
+
+The class only orchestrates: sampling, per-node messages, byte accounting and bookkeeping. The math
+lives in ``strategies.aggregation``; the training in the ClientApp.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from typing import Any, Callable, Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from .aggregation import sample_clients, weighted_average, weighted_mean
+from .records import from_array_record, record_bytes, to_array_record
+
+
+class FedSSL(Strategy):
+    """Example-weighted averaging of what clients upload, with seeded partial participation."""
+
+    name = "fedssl"
+
+    @classmethod
+    def default_options(cls) -> dict[str, Any]:
+        return {"update_both": False}
+
+    def __init__(
+        self,
+        *,
+        clients: dict[int, int],
+        clients_per_round: int,
+        min_available: int | None = None,
+        node_wait_s: float = 300.0,
+        seed: int = 0,
+        round_config: Callable[[int], dict[str, Any]] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """``clients`` maps partition id -> node id (discovered by the ServerApp before the first round)."""
+        if not 1 <= clients_per_round <= len(clients):
+            raise ValueError(f"clients_per_round must be in [1, {len(clients)}], got {clients_per_round}")
+        self.clients = dict(clients)
+        self.partition_of = {node: pid for pid, node in self.clients.items()}
+        self.clients_per_round = clients_per_round
+        self.min_available = len(clients) if min_available is None else min_available
+        self.node_wait_s = node_wait_s
+        self.seed = seed
+        self.round_config = round_config or (lambda _rnd: {})
+        self.options = {**self.default_options(), **(options or {})}
+        # One entry per finished round: what the ServerApp writes to metrics.jsonl.
+        self.round_records: dict[int, dict[str, Any]] = {}
+        self._round_start: dict[int, float] = {}
+        self._bytes_down: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ what is exchanged
+    def exchange_prefixes(self, method) -> tuple[str, ...]:
+        """State-dict key prefixes the clients upload and the server averages."""
+        return method.shared_prefixes(update_both=bool(self.options["update_both"]))
+
+    def client_config(self, server_round: int) -> dict[str, Any]:
+        """Strategy-specific keys added to every client's config (subclasses extend it)."""
+        return {"update-both": bool(self.options["update_both"])}
+
+    # ------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._round_start[server_round] = time.perf_counter()
+        available = self.wait_for_clients(grid, server_round)
+        chosen = sample_clients(available, min(self.clients_per_round, len(available)), self.seed, server_round)
+        payload = self.arrays_for_round(server_round, arrays)
+        messages = []
+        for pid in chosen:
+            node = self.clients[pid]
+            cfg = ConfigRecord({**dict(config), **self.round_config(server_round),
+                                **self.client_config(server_round), "server-round": server_round})
+            content = self.arrays_for_client(server_round, pid, payload)
+            messages.append(Message(RecordDict({"arrays": content, "config": cfg}), dst_node_id=node,
+                                    message_type="train", group_id=str(server_round)))
+        self._bytes_down[server_round] = sum(record_bytes(m.content["arrays"]) for m in messages)
+        log(INFO, "round %d: training on clients %s", server_round, chosen)
+        return messages
+
+    def wait_for_clients(self, grid: Grid, server_round: int) -> list[int]:
+        """Partition ids whose nodes are connected, once at least ``min_available`` are (or time runs out)."""
+        deadline = time.monotonic() + self.node_wait_s
+        while True:
+            connected = set(grid.get_node_ids())
+            available = [pid for pid, node in self.clients.items() if node in connected]
+            if len(available) >= self.min_available:
+                return available
+            if time.monotonic() > deadline:
+                if not available:
+                    raise RuntimeError(f"round {server_round}: no client node is connected")
+                log(WARNING, "round %d: only %d of the %d required clients are connected; going on with them",
+                    server_round, len(available), self.min_available)
+                return available
+            time.sleep(1.0)
+
+    def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The global arrays every client of the round receives (hook for subclasses)."""
+        return arrays
+
+    def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Per-client payload (hook: FedEMA's cross-device mode sends the client's own state)."""
+        return arrays
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        ok = [r for r in replies if not r.has_error()]
+        for r in replies:
+            if r.has_error():
+                log(WARNING, "round %d: client on node %s failed: %s", server_round, r.metadata.src_node_id,
+                    r.error.reason)
+        clients = [self.client_record(r) for r in ok]
+        bytes_up = sum(record_bytes(r.content["arrays"]) for r in ok)
+        aggregated = None
+        if ok:
+            states = [from_array_record(r.content["arrays"]) for r in ok]
+            aggregated = to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
+        else:
+            log(WARNING, "round %d: no client replied successfully; the global model is unchanged", server_round)
+        loss = weighted_mean([c["loss"] for c in clients], [c["num_examples"] for c in clients])
+        self.round_records[server_round] = {
+            "round": server_round,
+            "train_loss": loss,
+            "bytes_up": bytes_up,
+            "bytes_down": self._bytes_down.get(server_round, 0),
+            "num_clients": len(ok),
+            "num_failed": len(replies) - len(ok),
+            "num_examples": int(sum(c["num_examples"] for c in clients)),
+            "client_train_s_max": max((c["train_s"] for c in clients), default=0.0),
+            "clients": clients,
+        }
+        metrics = MetricRecord({"train_loss": loss, "num-examples": self.round_records[server_round]["num_examples"]})
+        return aggregated, metrics
+
+    def client_record(self, reply: Message) -> dict[str, Any]:
+        """Per-client facts of one reply, for metrics.jsonl (subclasses add fields)."""
+        m = reply.content["metrics"]
+        return {
+            "id": int(m["partition-id"]),
+            "loss": float(m["train_loss"]),
+            "num_examples": int(m["num-examples"]),
+            "train_s": float(m["train_s"]),
+            "bytes_up": record_bytes(reply.content["arrays"]),
+        }
+
+    def round_wall_s(self, server_round: int) -> float:
+        start = self._round_start.get(server_round)
+        return time.perf_counter() - start if start is not None else float("nan")
+
+    # ------------------------------------------------------------------ evaluate (server-side only)
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # evaluation runs on the server (kNN monitor, linear probe)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        log(INFO, "\t%s: %d clients, %d per round, seed %d, options %s", type(self).__name__, len(self.clients),
+            self.clients_per_round, self.seed, self.options)
