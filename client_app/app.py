@@ -3,23 +3,56 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
+import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ssl_models.config import ExperimentConfig
 from strategies.records import from_array_record, to_array_record
+from strategies.state_store import DiskStateStore
 
 from .tasks import local_images, train_local_ssl
 
 app = ClientApp()
 
-LOCAL_STATE_KEY = "local-state"
+LOCAL_STATE_KEY = "local-state"  # context.state key of the "memory" client-state mode
+CLIENT_STATE_RECORD = "client-state"  # message record of the "server" mode
 
 
 def _partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+
+
+def _disk_store(config: ConfigRecord, context: Context) -> DiskStateStore:
+    """The node's own ``state-dir`` wins over the server's suggestion; one folder per run."""
+    root = str(context.node_config.get("state-dir", "") or config.get("state-dir", "") or "")
+    if not root:
+        root = str(Path.home() / ".cache" / "fedssl" / "client-state")
+    return DiskStateStore(Path(root).expanduser() / f"run-{context.run_id}")
+
+
+def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.ndarray] | None:
+    mode = str(msg.content["config"].get("client-state", "memory"))
+    if mode == "server":
+        record = msg.content.array_records.get(CLIENT_STATE_RECORD)
+        return from_array_record(record) if record is not None and len(record) else None
+    if mode == "disk":
+        return _disk_store(msg.content["config"], context).load(pid)
+    record = context.state.array_records.get(LOCAL_STATE_KEY)
+    return from_array_record(record) if record is not None else None
+
+
+def keep_client_state(msg: Message, context: Context, pid: int, state: dict, reply: RecordDict) -> None:
+    mode = str(msg.content["config"].get("client-state", "memory"))
+    if mode == "server":
+        reply[CLIENT_STATE_RECORD] = to_array_record(state)
+    elif mode == "disk":
+        _disk_store(msg.content["config"], context).save(pid, state)
+    else:
+        context.state[LOCAL_STATE_KEY] = to_array_record(state)
 
 
 @app.query("info")
@@ -40,18 +73,22 @@ def train(msg: Message, context: Context) -> Message:
     pid, _ = _partition(context)
     server_round = int(config["server-round"])
     images = local_images(cfg, pid, str(context.node_config.get("data-path", "")) or None)
-    local = context.state.array_records.get(LOCAL_STATE_KEY)
     result = train_local_ssl(
-        cfg, images, from_array_record(msg.content["arrays"]),
-        from_array_record(local) if local is not None else None,
+        cfg, images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, pid),
         server_round=server_round, partition_id=pid, lr=float(config["lr"]),
-        update_both=bool(config.get("update-both", False)),
+        update_both=bool(config.get("update-both", False)), rule=str(config.get("client-update", "fedssl")),
+        rule_options=cfg.strategy.options,
         log=lambda line: print(f"[client {pid} round {server_round}] {line}", flush=True),
     )
-    context.state[LOCAL_STATE_KEY] = to_array_record(result.local_state)
     s = result.stats
-    return Message(RecordDict({
-        "arrays": to_array_record(result.shared_state),
-        "metrics": MetricRecord({"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss,
-                                 "train_s": s.seconds, "steps": s.steps, "images_per_s": s.images_per_s}),
-    }), reply_to=msg)
+    metrics = {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
+               "steps": s.steps, "images_per_s": s.images_per_s}
+    # What the download rule did (FedEMA's mu and divergence, FedU's predictor switch), for the audit log.
+    for key, value in result.info.items():
+        if isinstance(value, bool):
+            metrics[f"rule.{key}"] = int(value)
+        elif isinstance(value, (int, float)) and value is not None:
+            metrics[f"rule.{key}"] = float(value)
+    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)})
+    keep_client_state(msg, context, pid, result.client_state, reply)
+    return Message(reply, reply_to=msg)

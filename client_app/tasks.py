@@ -1,10 +1,18 @@
 """Client tasks: decoded inputs in, plain results out. No Flower types here, so each task can be
-called directly in tests and benchmarks; ``client_app.app`` only decodes and encodes messages."""
+called directly in tests and benchmarks; ``client_app.app`` only decodes and encodes messages.
+
+A local round = a *download rule* (how the received global weights enter the client's model), local SSL
+training, and the client state to keep until the next round. Download rules:
+- ``fedssl``: the global online encoder (+ predictor) replaces the client's; the target branch is the
+  client's own (first participation: a copy of the received online branch);
+- ``fedema``: FedEMA's divergence-aware EMA of the client's last model with the global one;
+- ``fedu``: FedU's divergence-aware predictor update.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -13,15 +21,26 @@ from ssl_models.config import ExperimentConfig
 from ssl_models.data import load_npz
 from ssl_models.factory import build_ssl_model, load_partial_state, reset_target_from_online, split_state, \
     state_to_numpy
+from ssl_models.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
 from ssl_models.splits import client_images
 from ssl_models.training import TrainStats, resolve_device, train_ssl
+
+ONLINE_ENCODER = ("backbone.", "projector.")
+PREDICTOR = ("predictor.",)
+META = "meta."
 
 
 @dataclass
 class LocalRoundResult:
     shared_state: dict[str, np.ndarray]  # uploaded to the server
-    local_state: dict[str, np.ndarray]  # kept on the client until its next round
+    client_state: dict[str, np.ndarray]  # kept for the client's next round (model entries + meta.*)
     stats: TrainStats
+    info: dict[str, Any] = field(default_factory=dict)  # what the download rule did (mu, divergence...)
+
+    @property
+    def local_state(self) -> dict[str, np.ndarray]:
+        """The model entries of the client state (without meta)."""
+        return {k: v for k, v in self.client_state.items() if not k.startswith(META)}
 
 
 def local_images(cfg: ExperimentConfig, partition_id: int, data_path: str | None = None) -> np.ndarray:
@@ -37,36 +56,139 @@ def round_seed(cfg: ExperimentConfig, server_round: int, partition_id: int) -> i
     return cfg.seed * 1_000_003 + server_round * 1_009 + partition_id
 
 
+def _model_entries(state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    return {k: v for k, v in (state or {}).items() if not k.startswith(META)}
+
+
+def _meta(state: Mapping[str, np.ndarray] | None, name: str, default: float | None = None) -> float | None:
+    value = (state or {}).get(META + name)
+    return default if value is None else float(np.asarray(value).reshape(-1)[0])
+
+
+def _pick(state: Mapping[str, np.ndarray], prefixes: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in state.items() if k.startswith(prefixes)}
+
+
+# ---------------------------------------------------------------------- download rules
+
+
+def fedssl_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
+    """Generalized FedSSL: global online parts replace the client's; the rest stays the client's own."""
+    own = _model_entries(client_state)
+    if own:
+        load_partial_state(method, own)
+    load_partial_state(method, global_state)
+    if not own:
+        reset_target_from_online(method)
+    return {}
+
+
+def fedema_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
+    """FedEMA (Algorithm 1): W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1).
+
+    A client seen for the first time, or not selected in the previous round, takes the global online
+    encoder and predictor (its target stays its own when it has one). ``options``: mu_mode
+    (autoscaler | lambda | constant), tau, lambda, mu_encoder, mu_predictor, ema_scope
+    (both | encoder | predictor), divergence (paper | easyfl).
+    """
+    own = _model_entries(client_state)
+    info: dict[str, Any] = {"ema": False, "mu": None, "mu_predictor": None, "divergence": None,
+                            "lambda": _meta(client_state, "lambda")}
+    if own:
+        load_partial_state(method, own)
+    last = _meta(client_state, "last_round")
+    if not own or last is None or int(last) != server_round - 1:
+        load_partial_state(method, global_state)
+        if not own:
+            reset_target_from_online(method)
+        info["reason"] = "first participation" if not own else "not selected in the previous round"
+        return info
+    d_paper = l2_divergence(global_state, own, ONLINE_ENCODER)
+    d = d_paper if options["divergence"] == "paper" else _meta(client_state, "update_size", 0.0)
+    lam = info["lambda"]
+    if options["mu_mode"] == "autoscaler":
+        if lam is None:  # once per client, at its first EMA update: its first mu is exactly tau
+            lam = autoscaler_lambda(options["tau"], d)
+        mu_enc = mu_pred = fedema_mu(lam, d)
+    elif options["mu_mode"] == "lambda":
+        lam = float(options["lambda"])
+        mu_enc = mu_pred = fedema_mu(lam, d)
+    else:
+        mu_enc, mu_pred = float(options["mu_encoder"]), float(options["mu_predictor"])
+    scope = options["ema_scope"]
+    merged = dict(global_state)  # parts outside the EMA scope take the global weights
+    if scope in ("both", "encoder"):
+        merged.update(ema_merge(own, global_state, mu_enc, ONLINE_ENCODER))
+    if scope in ("both", "predictor") and _pick(global_state, PREDICTOR):
+        merged.update(ema_merge(own, global_state, mu_pred, PREDICTOR))
+    load_partial_state(method, merged)
+    info.update(ema=True, mu=mu_enc, mu_predictor=mu_pred, divergence=d, divergence_paper=d_paper, **{"lambda": lam})
+    return info
+
+
+def fedu_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
+    """FedU: online encoder <- global; predictor <- global only if the divergence is below the threshold."""
+    own = _model_entries(client_state)
+    if own:
+        load_partial_state(method, own)
+    if not own:
+        load_partial_state(method, global_state)
+        reset_target_from_online(method)
+        return {"divergence": None, "predictor_updated": True, "reason": "first participation"}
+    d = (l2_divergence(global_state, own, ONLINE_ENCODER) if options["divergence"] == "paper"
+         else _meta(client_state, "update_size", 0.0))
+    update_predictor = d < float(options["threshold"])
+    incoming = {k: v for k, v in global_state.items() if update_predictor or not k.startswith(PREDICTOR)}
+    load_partial_state(method, incoming)
+    return {"divergence": d, "predictor_updated": bool(update_predictor)}
+
+
+DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
+    "fedssl": fedssl_download,
+    "fedema": fedema_download,
+    "fedu": fedu_download,
+}
+
+
+# ---------------------------------------------------------------------- the local round
+
+
 def train_local_ssl(
     cfg: ExperimentConfig,
     images: np.ndarray,
     global_state: Mapping[str, np.ndarray],
-    local_state: Mapping[str, np.ndarray] | None,
+    client_state: Mapping[str, np.ndarray] | None,
     *,
     server_round: int,
     partition_id: int,
     lr: float,
     update_both: bool = False,
+    rule: str = "fedssl",
+    rule_options: Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> LocalRoundResult:
-    """One round of local SSL training of the generalized FedSSL framework.
-
-    The client's private state (target/momentum branch, MoCo queue) is restored when it has one;
-    then the global shared weights replace the online ones. At a first participation the target
-    branch starts as a copy of the received online branch.
-    """
+    """One round on one client: download rule, local SSL training, upload and client state."""
+    if rule not in DOWNLOAD_RULES:
+        raise ValueError(f"unknown client download rule {rule!r} (valid: {', '.join(DOWNLOAD_RULES)})")
     seed = round_seed(cfg, server_round, partition_id)
     method = build_ssl_model(cfg, seed=seed)
-    if local_state:
-        load_partial_state(method, local_state)
-    load_partial_state(method, global_state)
-    if not local_state:
-        reset_target_from_online(method)
+    info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, dict(rule_options or {}))
     method.on_new_global()
+    start_state = state_to_numpy(method.state_dict()) if rule != "fedssl" else None
     t = cfg.train
     stats = train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr,
                       optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay,
                       device=resolve_device(t.device), fast_path=t.fast_path, drop_last=t.drop_last,
                       max_steps_per_epoch=t.max_steps_per_epoch, seed=seed, log=log)
-    shared, local = split_state(method.cpu(), method.shared_prefixes(update_both=update_both))
-    return LocalRoundResult(state_to_numpy(shared), state_to_numpy(local), stats)
+    method.cpu()
+    shared, local = split_state(method, method.shared_prefixes(update_both=update_both))
+    if rule == "fedssl":
+        kept = state_to_numpy(local)  # what the server does not hold: target branch, queue
+    else:
+        # FedEMA/FedU need the client's whole last model (online, predictor, target) next time.
+        kept = state_to_numpy(method.state_dict())
+        kept[META + "update_size"] = np.array([easyfl_divergence(start_state, kept)])
+        if info.get("lambda") is not None:
+            kept[META + "lambda"] = np.array([float(info["lambda"])])
+    kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
+    return LocalRoundResult(state_to_numpy(shared), kept, stats, info)

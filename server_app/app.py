@@ -131,6 +131,7 @@ def main(grid: Grid, context: Context) -> None:
         clients=clients, clients_per_round=cfg.clients_per_round, min_available=cfg.min_available_clients,
         node_wait_s=cfg.federation.node_wait_s, seed=cfg.seed,
         round_config=lambda rnd: {"lr": cfg.round_lr(rnd)}, options=cfg.strategy.options,
+        state_dir=str(out_dir / "client_state"),
     )
     evaluator = ServerEvaluator(cfg)
     initial_model = build_ssl_model(cfg, seed=cfg.seed)

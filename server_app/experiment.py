@@ -61,6 +61,10 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
     cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
     cfg.strategy.options = validate_component_options(cfg.strategy.options, strategy_cls.default_options(),
                                                       "strategy.options")
+    try:
+        strategy_cls.check_options(cfg.strategy.options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.data.path:
         cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())  # clients may run elsewhere
     return cfg, path

@@ -288,24 +288,39 @@ def nice_step(span: float, max_ticks: int, integer: bool = False) -> float:
     return max(1.0, float(round(step))) if integer else step
 
 
-def format_tick(value: float, step: float) -> str:
-    """Label with as many decimals as the step needs (0.25 -> 2); scientific for extreme magnitudes."""
+def _decimals_for(step: float) -> int:
+    """Fewest decimals that write every multiple of ``step`` exactly (0.25 -> 2, 0.5 -> 1, 5 -> 0)."""
+    return next(d for d in range(13) if d == 12 or math.isclose(step * 10**d, round(step * 10**d), rel_tol=1e-6))
+
+
+def format_tick(value: float, step: float, scientific: bool = False) -> str:
+    """Tick label with just the precision the step needs; ``scientific`` writes mantissa + "e" + exponent."""
     if abs(value) < step * 1e-6:
-        value = 0.0  # avoid "-0.00" from floating-point noise
-    if value != 0 and (abs(value) >= 1e6 or step < 1e-4):
-        return f"{value:.2e}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
-    decimals = next(d for d in range(13) if d == 12 or math.isclose(step * 10**d, round(step * 10**d), rel_tol=1e-6))
-    return f"{value:.{decimals}f}"
+        value = 0.0  # floating-point noise must not print as "-0.0" or "1e-17"
+    if not scientific:
+        return f"{value:.{_decimals_for(step)}f}"
+    if value == 0:
+        return "0"
+    exponent = math.floor(math.log10(abs(value)))
+    mantissa = f"{value / 10**exponent:.{_decimals_for(step / 10**exponent)}f}"
+    if mantissa.lstrip("-").startswith("10"):  # 9.99.. rounded up: renormalise
+        exponent += 1
+        mantissa = f"{value / 10**exponent:.{_decimals_for(step / 10**exponent)}f}"
+    return f"{mantissa}e{exponent}"
 
 
 def make_axis(values: np.ndarray, max_ticks: int, integer: bool = False) -> Axis:
-    """Axis spanning ``values`` whose limits are extended outwards to the enclosing nice ticks."""
+    """Axis spanning ``values`` whose limits are extended outwards to the enclosing nice ticks.
+
+    Labels switch to scientific notation when fixed-point ones would be long (|tick| >= 1e6 or step < 1e-4).
+    """
     low, high = padded_range(values)
     step = nice_step(high - low, max_ticks, integer)
     first = math.floor(low / step + 1e-9)
     last = math.ceil(high / step - 1e-9)
     ticks = tuple(index * step for index in range(first, last + 1))
-    return Axis(ticks[0], ticks[-1], ticks, tuple(format_tick(t, step) for t in ticks))
+    scientific = max(abs(ticks[0]), abs(ticks[-1])) >= 1e6 or step < 1e-4
+    return Axis(ticks[0], ticks[-1], ticks, tuple(format_tick(t, step, scientific) for t in ticks))
 
 
 def fitted_axis(values: np.ndarray, length_px: int, label_extent: Callable[[str], int], integer: bool = False) -> Axis:
@@ -391,7 +406,8 @@ def _draw_panel(
 ) -> None:
     """Render one panel (title, legend, axes, grid, ticks, curves) into the given canvas rectangle."""
     title_text = fit_text(title, width - 2 * PAD, TITLE_SCALE)
-    draw_text(canvas, left + (width - text_width(title_text, TITLE_SCALE)) // 2, top + PAD, title_text, TEXT, TITLE_SCALE)
+    title_left = left + (width - text_width(title_text, TITLE_SCALE)) // 2
+    draw_text(canvas, title_left, top + PAD, title_text, TEXT, TITLE_SCALE)
     cursor_y = top + PAD + text_height(TITLE_SCALE) + 4
 
     curve_colors = iter(colors)
@@ -448,7 +464,8 @@ def _draw_panel(
     # axis titles
     if xlabel:
         text = fit_text(xlabel, plot_width)
-        draw_text(canvas, plot_left + (plot_width - text_width(text)) // 2, plot_bottom + 7 + text_height() + 4, text, TEXT)
+        text_top = plot_bottom + 7 + text_height() + 4  # below the tick labels
+        draw_text(canvas, plot_left + (plot_width - text_width(text)) // 2, text_top, text, TEXT)
     if ylabel:
         text = fit_text(ylabel, plot_height)
         draw_text_vertical(canvas, left + PAD, plot_top + (plot_height - text_width(text)) // 2, text, TEXT)
@@ -498,7 +515,8 @@ def render_curves(
         text = fit_text(title, canvas.shape[1] - 2 * PAD, TITLE_SCALE)
         draw_text(canvas, (canvas.shape[1] - text_width(text, TITLE_SCALE)) // 2, PAD, text, TEXT, TITLE_SCALE)
     if not panels:
-        draw_text(canvas, (canvas.shape[1] - text_width("no data")) // 2, title_height + panel_height // 2, "no data", MUTED)
+        message_left = (canvas.shape[1] - text_width("no data")) // 2
+        draw_text(canvas, message_left, title_height + panel_height // 2, "no data", MUTED)
         return canvas
     color_index = 0
     for panel_index, (name, curves) in enumerate(panels.items()):

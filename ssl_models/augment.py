@@ -248,8 +248,8 @@ def color_jitter(
     permutation of step ids per sample. At each position the brightness/contrast/saturation step is
     one blend whose target (black / mean grey / grey image) is picked per sample; samples whose step
     there is hue (or that are inactive) blend with factor 1, which is exactly the identity. Hue is
-    then applied to the samples whose step there is hue (see ``_hue_where``). ``with_hue=False`` skips the hue step (its
-    strength is 0) and with it the costly HSV round trips.
+    then applied to the samples whose step there is hue (see ``hue_where``). ``with_hue=False``
+    skips the hue step (its strength is 0) and with it the costly HSV round trips.
     """
     identity_blend = torch.ones_like(factors[0])
     for position in range(4):
@@ -265,18 +265,23 @@ def color_jitter(
         )
         images = blend(images, target, blend_factor)
         if with_hue:
-            images = _hue_where(images, active & (step == HUE), factors[HUE])
+            images = hue_where(images, active & (step == HUE), factors[HUE])
     return images
 
 
-def _hue_where(images: torch.Tensor, chosen: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def hue_where(
+    images: torch.Tensor, chosen: torch.Tensor, shift: torch.Tensor, gather_rows: bool | None = None
+) -> torch.Tensor:
     """``adjust_hue`` on the ``chosen`` samples only, the others passed through unchanged.
 
-    On accelerators the hue of the whole batch is computed and selected with ``torch.where`` (no
-    host synchronisation; the extra elementwise work is negligible there). On the CPU, where the
-    HSV round trip dominates the cost, only the chosen rows are gathered and converted.
+    Two equivalent strategies, picked by device unless ``gather_rows`` says otherwise: on
+    accelerators the hue of the whole batch is computed and selected with ``torch.where`` (no host
+    synchronisation; the extra elementwise work is negligible there); on the CPU, where the HSV
+    round trip dominates the cost, only the chosen rows are gathered and converted.
     """
-    if images.device.type != "cpu":
+    if gather_rows is None:
+        gather_rows = images.device.type == "cpu"
+    if not gather_rows:
         return torch.where(_per_sample(chosen), adjust_hue(images, shift), images)
     rows = torch.nonzero(chosen).squeeze(1)
     if rows.numel() == 0:
@@ -351,7 +356,9 @@ class SSLAugment(nn.Module):
         with torch.autocast(device_type=images.device.type, enabled=False):
             return self._augment(images, generator)
 
-    def two_views(self, images: ImageBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def two_views(
+        self, images: ImageBatch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two independent views of every image (the pair most SSL losses compare)."""
         images = to_float_nchw(images)  # convert once for both views
         with torch.autocast(device_type=images.device.type, enabled=False):

@@ -13,7 +13,7 @@ whose weights do not match its declared architecture is rejected instead of sile
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,9 @@ def _plain_value(value: Any, where: str) -> Any:
         return value.tolist()
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain_value(item, f"{where}[{i}]") for i, item in enumerate(value))
+    if isinstance(value, (list, tuple)):  # subclasses (namedtuples, ...) become plain lists/tuples
+        items = [_plain_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
         plain = {}
         for key, item in value.items():
@@ -105,13 +106,15 @@ def save_encoder_checkpoint(
     }
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(handle)
+    # A unique sibling name (not tempfile.mkstemp, whose 0600 mode would survive the rename).
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
-        torch.save(payload, temporary)
+        # Saving through a file object names the zip's inner folder "archive" instead of the temp file's name.
+        with open(temporary, "xb") as handle:
+            torch.save(payload, handle)
         os.replace(temporary, target)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     return target
 
@@ -153,9 +156,13 @@ def load_encoder_checkpoint(
         backbone, feature_dim = build_backbone(payload["arch"], payload["width"])
         backbone.load_state_dict(payload["state_dict"], strict=True)
     except (ValueError, RuntimeError, TypeError) as error:
-        raise CheckpointError(f"{path}: weights do not fit arch={payload['arch']!r} width={payload['width']!r}: {error}") from error
+        raise CheckpointError(
+            f"{path}: weights do not fit arch={payload['arch']!r} width={payload['width']!r}: {error}"
+        ) from error
     if feature_dim != payload["feature_dim"]:
-        raise CheckpointError(f"{path}: stored feature_dim {payload['feature_dim']} but the rebuilt backbone has {feature_dim}")
+        raise CheckpointError(
+            f"{path}: stored feature_dim {payload['feature_dim']} but the rebuilt backbone has {feature_dim}"
+        )
     backbone.to(map_location).eval()
     info = {key: payload[key] for key in ("format", "arch", "width", "feature_dim")}
     info["extra"] = payload.get("extra", {})

@@ -4,15 +4,20 @@ Usage::
 
     fedssl-eval MODEL.pt DATA.npz [--knn-k 200] [--knn-t 0.1] [--probe-epochs 100] [--max-train N]
                 [--max-test N] [--device auto|cpu|cuda] [--batch-size 512] [--export-features PATH]
-                [--no-linear] [--seed 0]
+                [--no-linear] [--seed 0] [--semi-supervised 0.01,0.1] [--semi-epochs 100]
+                [--semi-mode finetune|head] [--semi-lr 0.001]
 
 The encoder is fitted on (kNN bank / probe training set) the ``x_train``/``y_train`` arrays of the ``.npz``
 and scored on ``x_test``/``y_test``. Exactly one JSON line goes to stdout so the output can be piped or
 appended to a results file; progress goes to stderr. Errors in the inputs (missing files, a file that is not
 an encoder checkpoint, a malformed ``.npz``) print one message to stderr and exit with status 2.
 
-The protocol is described in :mod:`ssl_models.evaluation`. New evaluation modes (e.g. semi-supervised
-fine-tuning) are meant to be added as further flags rather than subcommands.
+The protocol is described in :mod:`ssl_models.evaluation`. New evaluation modes are added as further flags
+rather than subcommands. ``--semi-supervised`` adds the FedEMA/EasyFL semi-supervised score (protocol step 5):
+for every listed label fraction, an MLP head (with the encoder in ``finetune`` mode, alone in ``head`` mode)
+is trained on that class-balanced fraction of the (possibly ``--max-train``-subsampled) train split, and the
+test accuracies go to the JSON line as ``"semi_supervised": [{...}, ...]``, one record per fraction, in the
+order given (an empty list when the flag is absent).
 """
 
 from __future__ import annotations
@@ -30,9 +35,16 @@ import torch
 
 from ssl_models.checkpoint import load_encoder_checkpoint
 from ssl_models.data import ImageData, load_npz, subsample
-from ssl_models.evaluation import DEFAULT_PROTOCOL, evaluate_backbone
+from ssl_models.evaluation import (
+    DEFAULT_PROTOCOL,
+    SEMI_SUPERVISED_MODES,
+    SEMI_SUPERVISED_PROTOCOL,
+    evaluate_backbone,
+    semi_supervised_accuracy,
+)
 
 PROGRAM = "fedssl-eval"
+MAX_ERROR_CHARS = 600
 
 
 class UsageError(Exception):
@@ -53,10 +65,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _label_fractions(text: str) -> list[float]:
+    """Comma-separated label fractions, each in (0, 1], e.g. ``0.01,0.1``."""
+    fractions = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated numbers in (0, 1], got {text!r}") from None
+        if not 0 < value <= 1:  # also rejects nan
+            raise argparse.ArgumentTypeError(f"every fraction must lie in (0, 1], got {item.strip()!r}")
+        fractions.append(value)
+    return fractions
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
-        description="Evaluate a saved SSL encoder with weighted kNN and a linear probe on frozen features.",
+        description="Evaluate a saved SSL encoder with weighted kNN and a linear probe on frozen features, and "
+                    "optionally by semi-supervised fine-tuning on a fraction of the labels.",
     )
     parser.add_argument("model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt)")
     parser.add_argument("data", help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)")
@@ -79,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-linear", action="store_true", help="skip the linear probe (kNN only)")
     parser.add_argument("--seed", type=int, default=DEFAULT_PROTOCOL["seed"],
                         help="seed of the subsampling and the probe's shuffling (default %(default)s)")
+    parser.add_argument("--semi-supervised", metavar="FRACTIONS", type=_label_fractions, default=[],
+                        help="also fine-tune on these class-balanced label fractions, comma-separated "
+                             "(e.g. 0.01,0.1) and report their test accuracies")
+    parser.add_argument("--semi-epochs", type=_positive_int, default=SEMI_SUPERVISED_PROTOCOL["epochs"],
+                        help="semi-supervised training epochs (default %(default)s)")
+    parser.add_argument("--semi-mode", choices=SEMI_SUPERVISED_MODES, default=SEMI_SUPERVISED_PROTOCOL["mode"],
+                        help="finetune: train encoder + MLP head; head: frozen encoder in eval mode, train the "
+                             "head only (default %(default)s)")
+    parser.add_argument("--semi-lr", type=_positive_float, default=SEMI_SUPERVISED_PROTOCOL["lr"],
+                        help="semi-supervised Adam learning rate (default %(default)s)")
     return parser
 
 
@@ -111,7 +148,10 @@ def _load_model(path: str, device: torch.device) -> tuple[torch.nn.Module, dict[
         raise UsageError(str(error)) from error
 
 
-def _subsample_split(images: np.ndarray, labels: np.ndarray, limit: int | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _subsample_split(
+    images: np.ndarray, labels: np.ndarray, limit: int | None, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Class-stratified, seeded subsample (``ssl_models.data.subsample``); everything when ``limit`` is None."""
     index = subsample(labels, limit, seed=seed)
     if len(index) == len(labels):
         return images, labels
@@ -130,6 +170,34 @@ def export_features(path: str, result: dict[str, Any], y_train: np.ndarray, y_te
             test_features=result["test_features"].numpy(),
             test_labels=np.asarray(y_test, dtype=np.int64),
         )
+
+
+def semi_supervised_records(
+    backbone: torch.nn.Module,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """One ``semi_supervised_accuracy`` record per ``--semi-supervised`` fraction, seconds rounded."""
+    records = []
+    for fraction in args.semi_supervised:
+        try:
+            record = semi_supervised_accuracy(
+                backbone, x_train, y_train, x_test, y_test, num_classes, fraction,
+                epochs=args.semi_epochs, lr=args.semi_lr, mode=args.semi_mode, device=device, seed=args.seed,
+                feature_batch_size=args.batch_size,
+            )
+        except ValueError as error:  # e.g. a class missing from a tiny --max-train subsample
+            raise UsageError(f"--semi-supervised {fraction}: {error}") from error
+        record["seconds"] = round(record["seconds"], 3)
+        _progress(f"semi-supervised {args.semi_mode} on {record['num_labelled']} labels "
+                  f"(fraction {fraction}): accuracy={record['accuracy']}")
+        records.append(record)
+    return records
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,6 +233,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except OSError as error:
             raise UsageError(f"cannot write --export-features file {args.export_features}: {error}") from error
         _progress(f"features written to {args.export_features}")
+    semi_started = time.perf_counter()
+    semi_supervised = semi_supervised_records(
+        backbone, x_train, y_train, x_test, y_test, data.num_classes, device, args
+    )
+    seconds_by_step = dict(result["seconds"])
+    if semi_supervised:
+        seconds_by_step["semi_supervised"] = time.perf_counter() - semi_started
     return {
         "model_path": args.model,
         "data_path": args.data,
@@ -177,9 +252,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_classes": data.num_classes,
         "feature_dim": result["feature_dim"],
         "device": str(device),
-        "protocol": {**protocol, "max_train": args.max_train, "max_test": args.max_test, "linear": not args.no_linear},
+        "semi_supervised": semi_supervised,
+        "protocol": {
+            **protocol, "max_train": args.max_train, "max_test": args.max_test, "linear": not args.no_linear,
+            "semi_epochs": args.semi_epochs, "semi_lr": args.semi_lr, "semi_mode": args.semi_mode,
+            "semi_batch_size": SEMI_SUPERVISED_PROTOCOL["batch_size"],
+        },
         "seconds": round(time.perf_counter() - started, 3),
-        "seconds_by_step": {step: round(value, 3) for step, value in result["seconds"].items()},
+        "seconds_by_step": {step: round(value, 3) for step, value in seconds_by_step.items()},
     }
 
 
@@ -193,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         record = run(args)
     except UsageError as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        message = str(error)
+        if len(message) > MAX_ERROR_CHARS:  # e.g. a listing of every member of a wrong archive
+            message = message[: MAX_ERROR_CHARS - 3] + "..."
+        print(f"{PROGRAM}: error: {message}", file=sys.stderr)
         return 2
     print(json.dumps(record), flush=True)
     return 0

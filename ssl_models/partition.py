@@ -222,7 +222,9 @@ def _public_count(size: int | float, num_items: int) -> int:
     else:
         raise ValueError(f"size must be a whole count or a fraction below 1, got {size!r}")
     if count >= num_items and count > 0:
-        raise ValueError(f"size ({size!r} -> {count} items) must leave items for the clients (dataset size {num_items})")
+        raise ValueError(
+            f"size ({size!r} -> {count} items) must leave items for the clients (dataset size {num_items})"
+        )
     return count
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from .fedema import FedEMA
 from .fedssl import FedSSL
+from .fedu import FedU
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL,)}
+STRATEGIES = {cls.name: cls for cls in (FedSSL, FedEMA, FedU)}
 
 
 def get_strategy_class(name: str):

@@ -22,16 +22,28 @@ from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
 from .records import from_array_record, record_bytes, to_array_record
+from .state_store import CLIENT_STATE_MODES, DiskStateStore
+
+CLIENT_STATE_RECORD = "client-state"
 
 
 class FedSSL(Strategy):
     """Example-weighted averaging of what clients upload, with seeded partial participation."""
 
     name = "fedssl"
+    client_update = "fedssl"  # the ClientApp's download rule (client_app/tasks.py)
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
-        return {"update_both": False}
+        # client_state: where each client's state lives between rounds (strategies/state_store.py).
+        return {"update_both": False, "client_state": "disk"}
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Value checks beyond types; raise ValueError naming ``strategy.options.<key>``."""
+        if options["client_state"] not in CLIENT_STATE_MODES:
+            raise ValueError(f"strategy.options.client_state: must be one of {', '.join(CLIENT_STATE_MODES)} "
+                             f"(got {options['client_state']!r})")
 
     def __init__(
         self,
@@ -43,6 +55,7 @@ class FedSSL(Strategy):
         seed: int = 0,
         round_config: Callable[[int], dict[str, Any]] | None = None,
         options: dict[str, Any] | None = None,
+        state_dir: str | None = None,
     ) -> None:
         """``clients`` maps partition id -> node id (discovered by the ServerApp before the first round)."""
         if not 1 <= clients_per_round <= len(clients):
@@ -55,6 +68,16 @@ class FedSSL(Strategy):
         self.seed = seed
         self.round_config = round_config or (lambda _rnd: {})
         self.options = {**self.default_options(), **(options or {})}
+        self.check_options(self.options)
+        # Where clients keep their state ("disk" mode; a node's own state-dir wins), and the server's
+        # own store of every client's state in "server" mode.
+        self.state_dir = state_dir or ""
+        self.server_store = None
+        if self.options["client_state"] == "server":
+            if not state_dir:
+                raise ValueError("client_state 'server' needs a state directory on the server")
+            self.server_store = DiskStateStore(f"{state_dir}/server-side")
+            self.server_store.clear()
         # One entry per finished round: what the ServerApp writes to metrics.jsonl.
         self.round_records: dict[int, dict[str, Any]] = {}
         self._round_start: dict[int, float] = {}
@@ -67,7 +90,8 @@ class FedSSL(Strategy):
 
     def client_config(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific keys added to every client's config (subclasses extend it)."""
-        return {"update-both": bool(self.options["update_both"])}
+        return {"update-both": bool(self.options["update_both"]), "client-update": self.client_update,
+                "client-state": str(self.options["client_state"]), "state-dir": self.state_dir}
 
     # ------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -81,10 +105,11 @@ class FedSSL(Strategy):
             node = self.clients[pid]
             cfg = ConfigRecord({**dict(config), **self.round_config(server_round),
                                 **self.client_config(server_round), "server-round": server_round})
-            content = self.arrays_for_client(server_round, pid, payload)
-            messages.append(Message(RecordDict({"arrays": content, "config": cfg}), dst_node_id=node,
-                                    message_type="train", group_id=str(server_round)))
-        self._bytes_down[server_round] = sum(record_bytes(m.content["arrays"]) for m in messages)
+            content = RecordDict({"arrays": self.arrays_for_client(server_round, pid, payload), "config": cfg})
+            if self.server_store is not None:
+                content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})
+            messages.append(Message(content, dst_node_id=node, message_type="train", group_id=str(server_round)))
+        self._bytes_down[server_round] = sum(self.payload_bytes(m.content) for m in messages)
         log(INFO, "round %d: training on clients %s", server_round, chosen)
         return messages
 
@@ -121,7 +146,10 @@ class FedSSL(Strategy):
                 log(WARNING, "round %d: client on node %s failed: %s", server_round, r.metadata.src_node_id,
                     r.error.reason)
         clients = [self.client_record(r) for r in ok]
-        bytes_up = sum(record_bytes(r.content["arrays"]) for r in ok)
+        bytes_up = sum(self.payload_bytes(r.content) for r in ok)
+        if self.server_store is not None:
+            for r, c in zip(ok, clients):
+                self.server_store.save(c["id"], from_array_record(r.content[CLIENT_STATE_RECORD]))
         aggregated = None
         if ok:
             states = [from_array_record(r.content["arrays"]) for r in ok]
@@ -143,16 +171,26 @@ class FedSSL(Strategy):
         metrics = MetricRecord({"train_loss": loss, "num-examples": self.round_records[server_round]["num_examples"]})
         return aggregated, metrics
 
+    @staticmethod
+    def payload_bytes(content: RecordDict) -> int:
+        """Bytes of the arrays a message carries (model parts, and client state in "server" mode)."""
+        return sum(record_bytes(rec) for rec in content.array_records.values())
+
     def client_record(self, reply: Message) -> dict[str, Any]:
-        """Per-client facts of one reply, for metrics.jsonl (subclasses add fields)."""
+        """Per-client facts of one reply, for metrics.jsonl; ``rule.*`` metrics (what the client's
+        download rule did: FedEMA's mu and divergence, FedU's predictor switch) are added as they are."""
         m = reply.content["metrics"]
-        return {
+        record = {
             "id": int(m["partition-id"]),
             "loss": float(m["train_loss"]),
             "num_examples": int(m["num-examples"]),
             "train_s": float(m["train_s"]),
-            "bytes_up": record_bytes(reply.content["arrays"]),
+            "bytes_up": self.payload_bytes(reply.content),
         }
+        for key in m.keys():
+            if key.startswith("rule."):
+                record[key[len("rule."):]] = m[key]
+        return record
 
     def round_wall_s(self, server_round: int) -> float:
         start = self._round_start.get(server_round)

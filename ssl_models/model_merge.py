@@ -1,0 +1,97 @@
+"""Merging a client's model with the global one: the math of FedEMA and FedU (Zhuang et al., ICLR 2022).
+
+Pure functions over named arrays (state-dict entries as NumPy arrays or tensors); no Flower.
+
+- ``l2_divergence``: the paper's divergence ||W_g - W_k||, one L2 norm over the named *parameters* of the
+  online encoder (weights and biases, BatchNorm affine included; BatchNorm running statistics and counters
+  are not parameters and are left out).
+- ``easyfl_divergence``: the official code's variant: the mean over the backbone's convolution weights (4-D
+  tensors) of the per-tensor L2 distance between two states, used there between the start and the end of
+  the client's previous local training (the size of its last local update).
+- ``ema_merge``: W <- mu * W_local + (1 - mu) * W_global over every floating entry (parameters and BatchNorm
+  running statistics); integer entries (``num_batches_tracked``) take the global value.
+- ``fedema_mu``: mu = min(lambda * d, 1); ``autoscaler_lambda``: lambda = tau / d, so the first mu is tau.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Iterable, Mapping
+
+import numpy as np
+
+BN_STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_parameter_key(key: str) -> bool:
+    """True for parameters, False for BatchNorm statistics (buffers)."""
+    return not key.endswith(BN_STAT_SUFFIXES)
+
+
+def _np(value) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def select(state: Mapping[str, object], prefixes: Iterable[str]) -> list[str]:
+    prefixes = tuple(prefixes)
+    return [k for k in state if k.startswith(prefixes)]
+
+
+def l2_divergence(global_state: Mapping[str, object], local_state: Mapping[str, object],
+                  prefixes: Iterable[str]) -> float:
+    """||W_g - W_k||: one L2 norm over all parameters under ``prefixes`` (BN statistics excluded)."""
+    keys = [k for k in select(global_state, prefixes) if is_parameter_key(k)]
+    if not keys:
+        raise ValueError(f"l2_divergence: no parameters under prefixes {tuple(prefixes)}")
+    total = 0.0
+    for key in keys:
+        if key not in local_state:
+            raise KeyError(f"l2_divergence: {key} missing from the local state")
+        diff = _np(global_state[key]).astype(np.float64) - _np(local_state[key]).astype(np.float64).reshape(
+            _np(global_state[key]).shape)
+        total += float(np.sum(diff * diff))
+    return math.sqrt(total)
+
+
+def easyfl_divergence(start_state: Mapping[str, object], end_state: Mapping[str, object],
+                      backbone_prefix: str = "backbone.") -> float:
+    """Mean per-tensor L2 distance over the backbone's convolution weights (EasyFL's FedEMA divergence)."""
+    keys = [k for k in start_state if k.startswith(backbone_prefix) and k.endswith("weight")
+            and _np(start_state[k]).ndim == 4]
+    if not keys:
+        raise ValueError(f"easyfl_divergence: no convolution weights under {backbone_prefix!r}")
+    dists = [float(np.linalg.norm(_np(start_state[k]).astype(np.float64) - _np(end_state[k]).astype(np.float64)))
+             for k in keys]
+    return float(np.mean(dists))
+
+
+def ema_merge(local_state: Mapping[str, object], global_state: Mapping[str, object], mu: float,
+              prefixes: Iterable[str]) -> OrderedDict:
+    """mu * local + (1 - mu) * global for the entries under ``prefixes`` (returns only those entries)."""
+    if not 0.0 <= mu <= 1.0:
+        raise ValueError(f"ema_merge: mu must be in [0, 1], got {mu}")
+    out = OrderedDict()
+    for key in select(global_state, prefixes):
+        g = _np(global_state[key])
+        if np.issubdtype(g.dtype, np.integer) or np.issubdtype(g.dtype, np.bool_):
+            out[key] = g.copy()
+            continue
+        loc = _np(local_state[key]).reshape(g.shape)
+        out[key] = (mu * loc.astype(np.float64) + (1.0 - mu) * g.astype(np.float64)).astype(g.dtype)
+    return out
+
+
+def autoscaler_lambda(tau: float, divergence: float) -> float:
+    """lambda = tau / d, computed once per client so that its first mu equals tau exactly."""
+    if divergence <= 0 or not math.isfinite(divergence):
+        # Identical models: any lambda gives mu = 0; use tau so later rounds still scale sensibly.
+        return float(tau)
+    return float(tau) / float(divergence)
+
+
+def fedema_mu(lam: float, divergence: float) -> float:
+    """mu = min(lambda * d, 1)."""
+    return float(min(lam * divergence, 1.0))

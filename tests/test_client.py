@@ -1,0 +1,113 @@
+"""Client side: local state kept between rounds, target branch local, the handlers' replies."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client_app.app import LOCAL_STATE_KEY, app
+from client_app.tasks import train_local_ssl
+from ssl_models.config import ExperimentConfig
+from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.splits import client_images
+from strategies.records import from_array_record, to_array_record
+
+TINY = {
+    "rounds": 2,
+    "data": {"dataset": "synthetic", "synthetic_train": 96, "synthetic_test": 32, "partition": "iid"},
+    "model": {"arch": "resnet18", "width": 0.125},
+    "method": {"name": "byol", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32,
+                                           "momentum": 0.9}},
+    "federation": {"num_clients": 2},
+    "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
+}
+
+
+@pytest.fixture()
+def cfg():
+    return ExperimentConfig.from_dict(TINY)
+
+
+def global_shared(cfg, update_both=False):
+    model = build_ssl_model(cfg, seed=123)
+    shared, _ = split_state(model, model.shared_prefixes(update_both))
+    return state_to_numpy(shared)
+
+
+def test_first_participation_starts_target_from_the_global_online_branch(cfg):
+    images = client_images(cfg, 0)
+    g = global_shared(cfg)
+    res = train_local_ssl(cfg, images, g, None, server_round=1, partition_id=0, lr=0.05)
+    assert set(res.shared_state) == set(g)
+    assert all(k.startswith("target_") for k in res.local_state)
+    # One step with momentum 0.9: target = 0.9 * global + 0.1 * (updated online), so close to global.
+    key = "backbone.stem.0.weight"
+    tgt = res.local_state["target_" + key]
+    assert np.abs(tgt - g[key]).max() < np.abs(res.shared_state[key] - g[key]).max() + 1e-12
+    np.testing.assert_allclose(tgt, 0.9 * g[key] + 0.1 * res.shared_state[key], rtol=1e-4, atol=1e-6)
+
+
+def test_local_target_is_restored_not_replaced_by_the_global_model(cfg):
+    images = client_images(cfg, 1)
+    g = global_shared(cfg)
+    first = train_local_ssl(cfg, images, g, None, server_round=1, partition_id=1, lr=0.05)
+    marked = {k: np.full_like(v, 0.5) if k.endswith("stem.0.weight") else v for k, v in first.local_state.items()}
+    second = train_local_ssl(cfg, images, g, marked, server_round=2, partition_id=1, lr=0.05)
+    key = "backbone.stem.0.weight"
+    expected = 0.9 * 0.5 + 0.1 * second.shared_state[key]  # EMA from the client's own target, not the global
+    np.testing.assert_allclose(second.local_state["target_" + key], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_simclr_has_no_local_state_and_update_both_uploads_the_target():
+    simclr = ExperimentConfig.from_dict({**TINY, "method": {"name": "simclr", "options": {
+        "proj_hidden_dim": 32, "proj_out_dim": 16}}})
+    res = train_local_ssl(simclr, client_images(simclr, 0), global_shared(simclr), None, server_round=1,
+                          partition_id=0, lr=0.05)
+    assert res.local_state == {} and res.stats.steps == 1 and np.isfinite(res.stats.loss)
+    byol = ExperimentConfig.from_dict(TINY)
+    res = train_local_ssl(byol, client_images(byol, 0), global_shared(byol, True), None, server_round=1,
+                          partition_id=0, lr=0.05, update_both=True)
+    assert any(k.startswith("target_") for k in res.shared_state) and not res.local_state
+
+
+@pytest.fixture()
+def run_identity():
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
+    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                  run_config={})
+    info = app(Message(RecordDict({"config": ConfigRecord()}), dst_node_id=5, message_type="query.info"), ctx)
+    assert info.content["metrics"]["partition-id"] == 1 and info.content["metrics"]["num-partitions"] == 2
+    g = global_shared(cfg)
+    for rnd in (1, 2):
+        msg = Message(RecordDict({"arrays": to_array_record(g), "config": ConfigRecord({
+            "experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, "update-both": False})}),
+            dst_node_id=5, message_type="train")
+        reply = app(msg, ctx)
+        assert not reply.has_error(), reply.error
+        m = reply.content["metrics"]
+        assert m["partition-id"] == 1 and m["num-examples"] == len(client_images(cfg, 1))
+        assert np.isfinite(m["train_loss"]) and m["train_s"] > 0
+        assert set(from_array_record(reply.content["arrays"])) == set(g)
+        local = from_array_record(ctx.state.array_records[LOCAL_STATE_KEY])
+        assert int(local.pop("meta.last_round")[0]) == rnd
+        assert local and all(k.startswith("target_") for k in local)
+
+
+def test_disk_mode_keeps_client_state_out_of_memory(cfg, run_identity, tmp_path):
+    ctx = Context(run_id=9, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                  run_config={})
+    msg = Message(RecordDict({"arrays": to_array_record(global_shared(cfg)), "config": ConfigRecord({
+        "experiment": cfg.to_json(), "server-round": 1, "lr": 0.05, "client-state": "disk",
+        "state-dir": str(tmp_path)})}), dst_node_id=5, message_type="train")
+    assert not app(msg, ctx).has_error()
+    assert len(ctx.state.array_records) == 0  # nothing held in the node's memory between rounds
+    files = list((tmp_path / "run-9").glob("client_*.npz"))
+    assert [f.name for f in files] == ["client_0.npz"]
+    with np.load(files[0]) as saved:
+        assert any(k.startswith("target_") for k in saved.files) and int(saved["meta.last_round"][0]) == 1

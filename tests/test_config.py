@@ -1,0 +1,118 @@
+"""Config loading and validation: every error names the bad key; pyproject lists every override key."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from server_app.experiment import load_experiment, overrides_from_run_config
+from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def test_defaults_validate():
+    cfg = ExperimentConfig.from_dict({})
+    assert cfg.clients_per_round == cfg.federation.num_clients
+    assert cfg.min_available_clients == cfg.federation.num_clients
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"train": {"lrr": 0.1}}, "train.lrr"),
+    ({"bogus": 1}, "bogus"),
+    ({"train": {"lr": "fast"}}, "train.lr"),
+    ({"train": {"local_epochs": 1.5}}, "train.local_epochs"),
+    ({"train": {"fast_path": 1}}, "train.fast_path"),
+    ({"data": {"alpha": 0}}, "data.alpha"),
+    ({"data": {"alpha": -1.0}}, "data.alpha"),
+    ({"data": {"partition": "shards"}}, "data.partition"),
+    ({"federation": {"num_clients": 3, "clients_per_round": 4}}, "federation.clients_per_round"),
+    ({"rounds": 0}, "rounds"),
+    ({"train": "sgd"}, "train"),
+    ({"data": {"dataset": "npz"}}, "data.path"),
+    ({"train": {"lr": float("nan")}}, "train.lr"),
+])
+def test_invalid_values_name_the_key(raw, key):
+    with pytest.raises(ConfigError) as err:
+        ExperimentConfig.from_dict(raw)
+    assert str(err.value).startswith(key + ":"), str(err.value)
+
+
+def test_missing_data_path_is_reported_with_its_resolved_location(tmp_path):
+    cfg = ExperimentConfig.from_dict({"data": {"dataset": "npz", "path": str(tmp_path / "nope.npz")}})
+    with pytest.raises(ConfigError, match=r"^data.path: does not exist"):
+        cfg.check_files()
+
+
+def test_int_is_accepted_for_float_and_converted():
+    cfg = ExperimentConfig.from_dict({"train": {"lr": 1}})
+    assert isinstance(cfg.train.lr, float) and cfg.train.lr == 1.0
+
+
+def test_json_round_trip():
+    cfg = ExperimentConfig.from_dict({"method": {"name": "simclr", "options": {"temperature": 0.2}}, "seed": 3})
+    assert ExperimentConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_cosine_lr_per_round():
+    cfg = ExperimentConfig.from_dict({"rounds": 4, "train": {"lr": 1.0}})
+    # lr_r = lr * (1 + cos(pi * (r-1)/R)) / 2
+    assert [round(cfg.round_lr(r), 6) for r in (1, 2, 3, 4)] == [1.0, 0.853553, 0.5, 0.146447]
+    const = ExperimentConfig.from_dict({"train": {"lr_schedule": "constant", "lr": 0.3}})
+    assert const.round_lr(50) == 0.3
+
+
+def test_component_options_checked_against_defaults():
+    defaults = {"temperature": 0.5, "num_layers": 2, "flag": True, "dim": None}
+    merged = validate_component_options({"temperature": 1, "dim": 7}, defaults, "method.options")
+    assert merged == {"temperature": 1.0, "num_layers": 2, "flag": True, "dim": 7}
+    with pytest.raises(ConfigError, match=r"^method.options.tempreature: unknown option"):
+        validate_component_options({"tempreature": 1.0}, defaults, "method.options")
+    with pytest.raises(ConfigError, match=r"^method.options.flag: expected bool"):
+        validate_component_options({"flag": "yes"}, defaults, "method.options")
+
+
+def test_run_config_overrides_only_non_empty_values():
+    rc = {"config": "configs/smoke.yaml", "output-dir": "/tmp/x", "train.lr": "", "rounds": 7}
+    assert overrides_from_run_config(rc) == {"rounds": 7, "output_dir": "/tmp/x"}
+
+
+def test_load_experiment_applies_overrides_and_checks_components():
+    cfg, path = load_experiment({"config": "configs/smoke.yaml", "rounds": 5, "data.dataset": "synthetic"})
+    assert path.name == "smoke.yaml" and cfg.rounds == 5 and cfg.data.dataset == "synthetic"
+    with pytest.raises(ConfigError, match=r"^method.name:"):
+        load_experiment({"config": "configs/smoke.yaml", "method.name": "dino", "data.dataset": "synthetic"})
+    with pytest.raises(ConfigError, match=r"^method.options.tau:"):
+        cfg2 = ExperimentConfig.from_yaml(REPO / "configs/smoke.yaml", {"method.options.tau": 0.1})
+        from ssl_models.factory import method_options
+        method_options(cfg2)
+    with pytest.raises(ConfigError, match=r"^config: file not found"):
+        load_experiment({"config": "configs/does-not-exist.yaml"})
+
+
+def test_pyproject_run_config_lists_every_setting():
+    toml = tomllib.loads((REPO / "pyproject.toml").read_text())
+    section = toml["tool"]["flwr"]["app"]["config"]
+
+    def flatten(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flatten(v, f"{prefix}{k}.")
+            else:
+                yield prefix + k, v
+
+    flat = dict(flatten(section))
+    expected = {k for k in leaf_keys() if k != "output_dir"} | {"config", "output-dir"}
+    assert set(flat) == expected
+    assert all(v == "" for k, v in flat.items() if k != "config")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = ExperimentConfig.from_yaml(path)
+    from ssl_models.factory import method_options
+    from strategies import get_strategy_class
+    method_options(cfg)
+    validate_component_options(cfg.strategy.options, get_strategy_class(cfg.strategy.name).default_options(),
+                               "strategy.options")

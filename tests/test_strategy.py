@@ -1,0 +1,139 @@
+"""Aggregation math against hand computations; FedSSL orchestration with a fake grid."""
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from strategies import FedSSL, get_strategy_class
+from strategies.aggregation import sample_clients, weighted_average, weighted_mean
+from strategies.records import from_array_record, to_array_record
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    # Messages can only be built inside a run; give the tests a fake one.
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+def test_weighted_average_matches_hand_computation():
+    a = {"w": np.array([1.0, 2.0], dtype=np.float32), "n": np.array(2, dtype=np.int64)}
+    b = {"w": np.array([3.0, 6.0], dtype=np.float32), "n": np.array(6, dtype=np.int64)}
+    out = weighted_average([a, b], [100, 300])  # weights 1/4 and 3/4
+    np.testing.assert_allclose(out["w"], [0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 6])
+    assert out["w"].dtype == np.float32
+    assert out["n"].dtype == np.int64 and int(out["n"]) == 5  # 0.25*2 + 0.75*6
+
+
+def test_weighted_average_rejects_mismatches():
+    with pytest.raises(ValueError, match="different keys"):
+        weighted_average([{"a": np.zeros(1)}, {"b": np.zeros(1)}], [1, 1])
+    with pytest.raises(ValueError, match="shape"):
+        weighted_average([{"a": np.zeros(1)}, {"a": np.zeros(2)}], [1, 1])
+    with pytest.raises(ValueError, match="weights"):
+        weighted_average([{"a": np.zeros(1)}], [0])
+    with pytest.raises(ValueError, match="no states"):
+        weighted_average([], [])
+
+
+def test_weighted_mean():
+    assert weighted_mean([1.0, 4.0], [1, 2]) == pytest.approx(3.0)
+
+
+def test_sample_clients_is_seeded_and_partial():
+    ids = list(range(10))
+    a = sample_clients(ids, 3, seed=0, server_round=1)
+    assert a == sample_clients(ids[::-1], 3, seed=0, server_round=1)
+    assert len(set(a)) == 3 and set(a) <= set(ids)
+    rounds = {tuple(sample_clients(ids, 3, seed=0, server_round=r)) for r in range(1, 8)}
+    assert len(rounds) > 1  # participation changes across rounds
+    assert sample_clients(ids, 10, seed=0, server_round=1) == ids
+    with pytest.raises(ValueError):
+        sample_clients(ids, 11, seed=0, server_round=1)
+
+
+class FakeGrid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def make_strategy(n=3, k=2, **kw):
+    clients = {pid: 100 + pid for pid in range(n)}
+    return FedSSL(clients=clients, clients_per_round=k, seed=1, round_config=lambda r: {"lr": 0.5 / r}, **kw)
+
+
+def test_configure_train_builds_one_message_per_sampled_client():
+    strategy = make_strategy()
+    arrays = to_array_record({"backbone.w": np.ones((4, 4), np.float32)})
+    base = ConfigRecord({"experiment": "{}"})
+    msgs = list(strategy.configure_train(2, arrays, base, FakeGrid([100, 101, 102])))
+    assert len(msgs) == 2
+    assert len({m.metadata.dst_node_id for m in msgs}) == 2
+    cfgs = [m.content["config"] for m in msgs]
+    assert cfgs[0] is not cfgs[1]  # per-node config records, never one shared mutable record
+    assert all(c["server-round"] == 2 and c["lr"] == 0.25 and c["update-both"] is False for c in cfgs)
+    assert "server-round" not in base  # the caller's record is not mutated
+    assert strategy._bytes_down[2] == 2 * arrays.count_bytes()
+
+
+def test_configure_train_samples_only_connected_clients():
+    strategy = make_strategy(n=3, k=3, min_available=2, node_wait_s=0.0)
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(),
+                                         FakeGrid([100, 102])))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [100, 102]
+
+
+def reply_to(node, arrays, pid, n, loss):
+    request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node, message_type="train")
+    return Message(RecordDict({
+        "arrays": to_array_record(arrays),
+        "metrics": MetricRecord({"partition-id": pid, "num-examples": n, "train_loss": loss, "train_s": 1.5}),
+    }), reply_to=request)
+
+
+def test_aggregate_train_weights_by_examples_and_skips_errors():
+    strategy = make_strategy()
+    r1 = reply_to(100, {"w": np.array([0.0, 4.0], np.float32)}, 0, 10, 2.0)
+    r2 = reply_to(101, {"w": np.array([4.0, 0.0], np.float32)}, 1, 30, 4.0)
+    failed = Message(Error(code=0, reason="boom"),
+                     reply_to=Message(RecordDict(), dst_node_id=102, message_type="train"))
+    arrays, metrics = strategy.aggregate_train(1, iter([r1, r2, failed]))
+    np.testing.assert_allclose(from_array_record(arrays)["w"], [3.0, 1.0])
+    rec = strategy.round_records[1]
+    assert rec["train_loss"] == pytest.approx((10 * 2.0 + 30 * 4.0) / 40)
+    assert rec["num_clients"] == 2 and rec["num_failed"] == 1 and rec["num_examples"] == 40
+    assert rec["bytes_up"] == r1.content["arrays"].count_bytes() + r2.content["arrays"].count_bytes()
+    assert [c["id"] for c in rec["clients"]] == [0, 1]
+    assert metrics["num-examples"] == 40
+
+
+def test_aggregate_train_with_no_success_keeps_the_global_model():
+    strategy = make_strategy()
+    failed = Message(Error(code=0, reason="boom"),
+                     reply_to=Message(RecordDict(), dst_node_id=100, message_type="train"))
+    arrays, _ = strategy.aggregate_train(1, [failed])
+    assert arrays is None and strategy.round_records[1]["num_clients"] == 0
+
+
+def test_update_both_widens_what_is_exchanged():
+    class Method:
+        def shared_prefixes(self, update_both=False):
+            return ("backbone.",) + (("target_backbone.",) if update_both else ())
+
+    assert make_strategy().exchange_prefixes(Method()) == ("backbone.",)
+    both = make_strategy(options={"update_both": True})
+    assert both.exchange_prefixes(Method()) == ("backbone.", "target_backbone.")
+    assert both.client_config(1)["update-both"] is True
+
+
+def test_registry():
+    assert get_strategy_class("fedssl") is FedSSL
+    with pytest.raises(ValueError, match="unknown strategy"):
+        get_strategy_class("fedfoo")
+    with pytest.raises(ValueError):
+        FedSSL(clients={0: 1}, clients_per_round=2)
