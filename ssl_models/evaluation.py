@@ -645,7 +645,10 @@ def _finetune_classifier(
         batch = pixels[index]
         if augment:
             batch = random_crop_flip(batch, SEMI_SUPERVISED_PROTOCOL["crop_padding"], generator)
-        return to_float_nchw(batch)
+        # to_float_nchw returns a permuted (channels-last) view. Made contiguous because the CPU backward pass
+        # of the ResNet crashes (segfault / heap corruption, torch 2.14.1) on channels-last batches whose size
+        # is not a multiple of 8; inference on such views (extract_features) is unaffected.
+        return to_float_nchw(batch).contiguous()
 
     _fit_classifier(
         classifier, len(images), inputs_of, labels.to(device),

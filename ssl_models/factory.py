@@ -41,7 +41,8 @@ def split_state(method: torch.nn.Module, prefixes: tuple[str, ...]) -> tuple[Ord
 
 
 def state_to_numpy(state: dict[str, torch.Tensor]) -> OrderedDict:
-    return OrderedDict((k, v.detach().cpu().contiguous().numpy()) for k, v in state.items())
+    """Copies (never views): a CPU tensor's ``.numpy()`` shares memory with the live parameter."""
+    return OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in state.items())
 
 
 def load_partial_state(method: torch.nn.Module, state: dict[str, np.ndarray | torch.Tensor]) -> None:

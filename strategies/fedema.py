@@ -55,6 +55,14 @@ class FedEMA(FedSSL):
             "divergence": "paper",
         }
 
+    def client_record(self, reply) -> dict[str, Any]:
+        """Every client line carries mu and divergence (null at a first participation or after a skip)."""
+        record = super().client_record(reply)
+        for key in ("mu", "mu_predictor", "divergence", "lambda"):
+            record.setdefault(key, None)
+        record["ema"] = bool(record.get("ema", 0))
+        return record
+
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         super().check_options(options)

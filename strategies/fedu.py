@@ -21,6 +21,12 @@ class FedU(FedSSL):
     def default_options(cls) -> dict[str, Any]:
         return {**super().default_options(), "threshold": 0.4, "divergence": "paper"}
 
+    def client_record(self, reply) -> dict[str, Any]:
+        record = super().client_record(reply)
+        record.setdefault("divergence", None)
+        record["predictor_updated"] = bool(record.get("predictor_updated", 1))
+        return record
+
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         super().check_options(options)

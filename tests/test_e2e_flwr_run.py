@@ -62,3 +62,22 @@ def test_client_count_mismatch_stops_with_instructions(tmp_path):
     progress = (out / "progress.log").read_text()
     assert "federation.num_clients=2" in progress and "num-supernodes=2" in progress, proc.stdout[-3000:]
     assert not (out / "summary.json").exists()
+
+
+def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
+    out = tmp_path / "out"
+    proc = flwr_run(f"config='configs/smoke-fedema.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+    rounds = read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    by_round = [{c["id"]: c for c in r["clients"]} for r in rounds]
+    for pid in (0, 1):
+        first, second, third = (by_round[i][pid] for i in range(3))
+        assert first["mu"] is None and first["ema"] is False  # first participation: takes the global model
+        assert second["ema"] and abs(second["mu"] - 0.7) < 1e-9  # autoscaler: first EMA uses mu = tau
+        assert second["divergence"] > 0 and second["lambda"] > 0
+        # lambda was computed once and kept on the client: the third mu is lambda * d (capped at 1).
+        assert third["lambda"] == second["lambda"]
+        assert abs(third["mu"] - min(1.0, third["lambda"] * third["divergence"])) < 1e-9
+    files = sorted(p.name for p in (out / "client_state").glob("run-*/client_*.npz"))
+    assert files == ["client_0.npz", "client_1.npz"]

@@ -201,7 +201,9 @@ def test_finetune_mode_trains_a_copy_in_train_mode_and_leaves_the_callers_backbo
     backbone.layer1.train()  # a mixed train/eval state must survive as well
     before = _state_copy(backbone)
     recorder = _Recorder(backbone)
-    kwargs = dict(epochs=8, batch_size=25, seed=0)  # 4 steps per epoch on the 100 labelled images
+    # 4 steps per epoch on the 100 labelled images; an odd batch size also guards the contiguous() fix of the
+    # CPU crash on channels-last batches (see _finetune_classifier)
+    kwargs = dict(epochs=8, batch_size=25, seed=0)
     result = semi_supervised_accuracy(
         backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10, 0.5, **kwargs
     )
@@ -214,7 +216,7 @@ def test_finetune_mode_trains_a_copy_in_train_mode_and_leaves_the_callers_backbo
     sums = recorder.stem_weight_sums
     assert len(set(sums[:steps])) == steps  # every step updated the copy's encoder weights
     assert result["mode"] == "finetune" and result["augment"] is True and result["num_labelled"] == 100
-    assert result["accuracy"] > 0.2  # chance is 0.1 (about 0.4 is typical after these few steps)
+    assert result["accuracy"] > 0.2  # chance is 0.1 (0.35 here after these 32 steps)
 
     repeat = semi_supervised_accuracy(
         backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10, 0.5, **kwargs

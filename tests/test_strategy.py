@@ -137,3 +137,27 @@ def test_registry():
         get_strategy_class("fedfoo")
     with pytest.raises(ValueError):
         FedSSL(clients={0: 1}, clients_per_round=2)
+
+
+def test_server_side_client_state_travels_with_the_messages(tmp_path):
+    """Cross-device mode: the server stores each client's state and sends it back next time."""
+    strategy = make_strategy(n=2, k=2, options={"client_state": "server"}, state_dir=str(tmp_path))
+    arrays = to_array_record({"w": np.zeros(2, np.float32)})
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid([100, 101])))
+    assert all(len(m.content["client-state"]) == 0 for m in msgs)  # nobody has state yet
+    assert all(m.content["config"]["client-state"] == "server" for m in msgs)
+    replies = []
+    for m in msgs:
+        r = reply_to(m.metadata.dst_node_id, {"w": np.ones(2, np.float32)}, m.metadata.dst_node_id - 100, 5, 1.0)
+        r.content["client-state"] = to_array_record({"target.w": np.full(3, float(m.metadata.dst_node_id))})
+        replies.append(r)
+    strategy.aggregate_train(1, replies)
+    assert strategy.round_records[1]["bytes_up"] == sum(
+        r.content["arrays"].count_bytes() + r.content["client-state"].count_bytes() for r in replies)
+    msgs2 = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(),
+                                                                          FakeGrid([100, 101]))}
+    np.testing.assert_array_equal(from_array_record(msgs2[101].content["client-state"])["target.w"], [101.0] * 3)
+    assert strategy._bytes_down[2] == sum(m.content["arrays"].count_bytes() + m.content["client-state"].count_bytes()
+                                          for m in msgs2.values())
+    # The server keeps these states on disk, not in memory.
+    assert sorted(p.name for p in (tmp_path / "server-side").iterdir()) == ["client_0.npz", "client_1.npz"]

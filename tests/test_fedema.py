@@ -1,0 +1,216 @@
+"""FedEMA and FedU: the merge math against hand computations, and the client download rules."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from client_app.tasks import fedema_download, fedu_download, train_local_ssl
+from server_app.experiment import load_experiment
+from ssl_models.config import ConfigError, ExperimentConfig
+from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.splits import client_images
+from strategies import FedEMA, FedU
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {
+    "rounds": 3,
+    "data": {"dataset": "synthetic", "synthetic_train": 96, "synthetic_test": 32, "partition": "iid"},
+    "model": {"arch": "resnet18", "width": 0.125},
+    "method": {"name": "byol", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32}},
+    "federation": {"num_clients": 2},
+    "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
+}
+ENC = ("backbone.", "projector.")
+
+
+def fedema_options(**kw):
+    return {**FedEMA.default_options(), **kw}
+
+
+# ------------------------------------------------------------------ pure math
+
+
+def test_ema_merge_hand_computation():
+    local = {"enc.w": np.array([1.0, 2.0], np.float32), "enc.bn.num_batches_tracked": np.array(5),
+             "other.w": np.array([9.0])}
+    glob = {"enc.w": np.array([3.0, 6.0], np.float32), "enc.bn.num_batches_tracked": np.array(7),
+            "other.w": np.array([0.0])}
+    out = ema_merge(local, glob, 0.25, ("enc.",))
+    np.testing.assert_allclose(out["enc.w"], [0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 6])  # [2.5, 5.0]
+    assert out["enc.w"].dtype == np.float32
+    assert int(out["enc.bn.num_batches_tracked"]) == 7 and "other.w" not in out
+    with pytest.raises(ValueError):
+        ema_merge(local, glob, 1.5, ("enc.",))
+
+
+def test_l2_divergence_counts_parameters_not_bn_statistics():
+    g = {"backbone.w": np.array([0.0, 0.0]), "projector.b": np.array([1.0]),
+         "backbone.bn.running_mean": np.array([100.0]), "predictor.w": np.array([50.0])}
+    k = {"backbone.w": np.array([3.0, 4.0]), "projector.b": np.array([1.0]),
+         "backbone.bn.running_mean": np.array([0.0]), "predictor.w": np.array([0.0])}
+    assert l2_divergence(g, k, ENC) == pytest.approx(5.0)  # sqrt(3^2 + 4^2); BN stats and predictor ignored
+
+
+def test_easyfl_divergence_is_the_mean_conv_weight_distance():
+    start = {"backbone.conv1.weight": np.zeros((1, 1, 1, 2)), "backbone.conv2.weight": np.zeros((1, 1, 2, 1)),
+             "backbone.bn.weight": np.zeros(3), "projector.0.weight": np.zeros((2, 2))}
+    end = {"backbone.conv1.weight": np.full((1, 1, 1, 2), 3.0), "backbone.conv2.weight": np.zeros((1, 1, 2, 1)),
+           "backbone.bn.weight": np.ones(3), "projector.0.weight": np.ones((2, 2))}
+    # conv1 distance sqrt(9 + 9), conv2 distance 0; BN and projector weights are not conv weights.
+    assert easyfl_divergence(start, end) == pytest.approx(math.sqrt(18) / 2)
+
+
+def test_mu_and_autoscaler():
+    assert fedema_mu(0.5, 1.2) == pytest.approx(0.6)
+    assert fedema_mu(2.0, 1.0) == 1.0  # capped
+    lam = autoscaler_lambda(0.7, 3.0)
+    assert fedema_mu(lam, 3.0) == pytest.approx(0.7)
+
+
+# ------------------------------------------------------------------ download rules on real models
+
+
+@pytest.fixture()
+def cfg():
+    return ExperimentConfig.from_dict(TINY)
+
+
+def model_state(cfg, seed):
+    return state_to_numpy(build_ssl_model(cfg, seed=seed).state_dict())
+
+
+def shared_of(state, method):
+    prefixes = method.shared_prefixes(False)
+    return {k: v for k, v in state.items() if k.startswith(prefixes)}
+
+
+def client_state_from(state, last_round, lam=None):
+    out = dict(state)
+    out["meta.last_round"] = np.array([last_round])
+    if lam is not None:
+        out["meta.lambda"] = np.array([lam])
+    return out
+
+
+def test_fedema_first_participation_takes_the_global_model(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    glob = shared_of(model_state(cfg, 2), method)
+    info = fedema_download(method, glob, None, 1, fedema_options())
+    now = state_to_numpy(method.state_dict())
+    for key, value in glob.items():
+        np.testing.assert_array_equal(now[key], value)
+    np.testing.assert_array_equal(now["target_backbone.stem.0.weight"], glob["backbone.stem.0.weight"])
+    assert info["ema"] is False and info["mu"] is None
+
+
+def test_fedema_ema_update_matches_hand_computation_and_keeps_own_target(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    own = model_state(cfg, 3)
+    glob = shared_of(model_state(cfg, 4), method)
+    d = l2_divergence(glob, own, ENC)
+    lam = 0.05
+    info = fedema_download(method, glob, client_state_from(own, last_round=4, lam=lam), 5,
+                           fedema_options(mu_mode="lambda", **{"lambda": lam}))
+    mu = min(lam * d, 1.0)
+    assert info["ema"] and info["mu"] == pytest.approx(mu) and info["divergence"] == pytest.approx(d)
+    now = state_to_numpy(method.state_dict())
+    for key in ("backbone.stem.0.weight", "projector.net.0.weight" if "projector.net.0.weight" in now else
+                next(k for k in now if k.startswith("projector.") and k.endswith("weight")),
+                next(k for k in now if k.startswith("predictor.") and k.endswith("weight"))):
+        np.testing.assert_allclose(now[key], mu * own[key] + (1 - mu) * glob[key], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(now["target_backbone.stem.0.weight"], own["target_backbone.stem.0.weight"])
+
+
+def test_fedema_autoscaler_first_ema_uses_tau_and_stores_lambda(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    own, glob = model_state(cfg, 3), shared_of(model_state(cfg, 4), method)
+    info = fedema_download(method, glob, client_state_from(own, last_round=1), 2, fedema_options(tau=0.7))
+    assert info["mu"] == pytest.approx(0.7, abs=1e-12)
+    assert info["lambda"] == pytest.approx(0.7 / l2_divergence(glob, own, ENC))
+
+
+def test_fedema_client_skipped_last_round_restarts_from_global(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    own, glob = model_state(cfg, 3), shared_of(model_state(cfg, 4), method)
+    info = fedema_download(method, glob, client_state_from(own, last_round=1, lam=0.3), 3, fedema_options())
+    now = state_to_numpy(method.state_dict())
+    assert info["ema"] is False and "not selected" in info["reason"]
+    for key, value in glob.items():
+        np.testing.assert_array_equal(now[key], value)
+    np.testing.assert_array_equal(now["target_backbone.stem.0.weight"], own["target_backbone.stem.0.weight"])
+
+
+def test_fedema_constant_mu_and_scopes(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    own, glob = model_state(cfg, 3), shared_of(model_state(cfg, 4), method)
+    pred = next(k for k in glob if k.startswith("predictor.") and k.endswith("weight"))
+    enc = "backbone.stem.0.weight"
+    fedema_download(method, glob, client_state_from(own, 1), 2,
+                    fedema_options(mu_mode="constant", mu_encoder=0.3, mu_predictor=0.6))
+    now = state_to_numpy(method.state_dict())
+    np.testing.assert_allclose(now[enc], 0.3 * own[enc] + 0.7 * glob[enc], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(now[pred], 0.6 * own[pred] + 0.4 * glob[pred], rtol=1e-5, atol=1e-7)
+    for scope, enc_mu, pred_mu in (("encoder", 0.3, 0.0), ("predictor", 0.0, 0.6)):
+        m = build_ssl_model(cfg, seed=1)
+        fedema_download(m, glob, client_state_from(own, 1), 2,
+                        fedema_options(mu_mode="constant", mu_encoder=0.3, mu_predictor=0.6, ema_scope=scope))
+        s = state_to_numpy(m.state_dict())
+        np.testing.assert_allclose(s[enc], enc_mu * own[enc] + (1 - enc_mu) * glob[enc], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(s[pred], pred_mu * own[pred] + (1 - pred_mu) * glob[pred], rtol=1e-5,
+                                   atol=1e-7)
+
+
+def test_fedu_threshold_switches_the_predictor(cfg):
+    own, glob_full = model_state(cfg, 3), model_state(cfg, 4)
+    method = build_ssl_model(cfg, seed=1)
+    glob = shared_of(glob_full, method)
+    d = l2_divergence(glob, own, ENC)
+    pred = next(k for k in glob if k.startswith("predictor.") and k.endswith("weight"))
+    for threshold, takes_global in ((d * 2, True), (d / 2, False)):
+        m = build_ssl_model(cfg, seed=1)
+        info = fedu_download(m, glob, client_state_from(own, 1), 2, {"threshold": threshold, "divergence": "paper"})
+        s = state_to_numpy(m.state_dict())
+        assert info["predictor_updated"] is takes_global and info["divergence"] == pytest.approx(d)
+        np.testing.assert_array_equal(s[pred], glob[pred] if takes_global else own[pred])
+        np.testing.assert_array_equal(s["backbone.stem.0.weight"], glob["backbone.stem.0.weight"])
+        np.testing.assert_array_equal(s["target_backbone.stem.0.weight"], own["target_backbone.stem.0.weight"])
+
+
+def test_every_client_first_mu_equals_tau_over_real_rounds(cfg):
+    method = build_ssl_model(cfg, seed=0)
+    glob = state_to_numpy(split_state(method, method.shared_prefixes())[0])
+    for pid in range(2):
+        images = client_images(cfg, pid)
+        r1 = train_local_ssl(cfg, images, glob, None, server_round=1, partition_id=pid, lr=0.05, rule="fedema",
+                             rule_options=fedema_options())
+        assert r1.info["mu"] is None and "meta.lambda" not in r1.client_state
+        r2 = train_local_ssl(cfg, images, glob, r1.client_state, server_round=2, partition_id=pid, lr=0.05,
+                             rule="fedema", rule_options=fedema_options())
+        assert r2.info["mu"] == pytest.approx(0.7, abs=1e-9)
+        lam = float(r2.client_state["meta.lambda"][0])
+        r3 = train_local_ssl(cfg, images, glob, r2.client_state, server_round=3, partition_id=pid, lr=0.05,
+                             rule="fedema", rule_options=fedema_options())
+        assert float(r3.client_state["meta.lambda"][0]) == lam  # computed once, then kept
+        assert r3.info["mu"] == pytest.approx(min(lam * r3.info["divergence"], 1.0))
+        assert r3.client_state["meta.update_size"][0] > 0  # EasyFL divergence of the last local update
+
+
+def test_strategy_options_are_validated(tmp_path):
+    for bad, key in (({"mu_mode": "adaptive"}, "mu_mode"), ({"tau": 0.0}, "tau"), ({"mu_encoder": 1.5}, "mu_encoder"),
+                     ({"ema_scope": "all"}, "ema_scope"), ({"divergence": "plato"}, "divergence"),
+                     ({"client_state": "cloud"}, "client_state")):
+        with pytest.raises(ValueError, match=rf"^strategy.options.{key}:"):
+            FedEMA.check_options(fedema_options(**bad))
+    with pytest.raises(ValueError, match=r"^strategy.options.threshold:"):
+        FedU.check_options({**FedU.default_options(), "threshold": -1.0})
+    # Through the ServerApp's loader, the same check stops the run with a ConfigError naming the key.
+    raw = yaml.safe_load((REPO / "configs/smoke-fedema.yaml").read_text())
+    raw["strategy"]["options"]["tau"] = 0.0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"^strategy.options.tau: must be > 0"):
+        load_experiment({"config": str(path), "data.dataset": "synthetic"})
