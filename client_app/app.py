@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ssl_models.config import ExperimentConfig
@@ -28,10 +28,15 @@ def _partition(context: Context) -> tuple[int, int]:
 
 def _disk_store(config: ConfigRecord, context: Context) -> DiskStateStore:
     """The node's own ``state-dir`` wins over the server's suggestion; one folder per run."""
-    root = str(context.node_config.get("state-dir", "") or config.get("state-dir", "") or "")
-    if not root:
-        root = str(Path.home() / ".cache" / "fedssl" / "client-state")
-    return DiskStateStore(Path(root).expanduser() / f"run-{context.run_id}")
+    fallback = Path.home() / ".cache" / "fedssl" / "client-state"
+    root = Path(str(context.node_config.get("state-dir", "") or config.get("state-dir", "") or fallback))
+    folder = root.expanduser() / f"run-{context.run_id}"
+    try:  # the server's suggestion is a path on the server's machine: it may not be writable here
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = fallback / f"run-{context.run_id}"
+        print(f"client state: cannot write under {root}; using {folder}", flush=True)
+    return DiskStateStore(folder)
 
 
 def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.ndarray] | None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import torch
 
 from ssl_models.config import ExperimentConfig
 from ssl_models.data import load_npz

@@ -4,6 +4,7 @@ write results. Training math lives in ``ssl_models``; aggregation in ``strategie
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from logging import ERROR
 from typing import Any
 
@@ -92,6 +93,17 @@ class ServerEvaluator:
                                  knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
 
 
+@contextmanager
+def stop_run(say, what: str, *errors: type[BaseException]):
+    """Report an expected failure in one readable line (log and progress.log), then stop the run."""
+    try:
+        yield
+    except errors as exc:
+        log(ERROR, "%s: %s", what, exc)
+        say(f"stopped: {what}: {exc}")
+        raise
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -108,23 +120,17 @@ def main(grid: Grid, context: Context) -> None:
     writer = ResultsWriter(out_dir)
     say = writer.progress
     say(f"experiment {cfg.name!r} from {config_path}; results in {out_dir}")
-    try:  # load the data before anything waits on clients, so a bad path fails at once
+    # Data and partition first, before anything waits on clients, so a bad path or split fails at once.
+    with stop_run(say, "cannot load the data set", FileNotFoundError, ValueError):
         data = load_experiment_data(cfg)
-    except (FileNotFoundError, ValueError) as exc:
-        log(ERROR, "Cannot load the data set: %s", exc)
-        say(f"stopped: cannot load the data set: {exc}")
-        raise
-
-    try:
-        clients = discover_clients(grid, cfg, say)
-    except FederationMismatch as exc:
-        log(ERROR, "%s", exc)
-        say(f"stopped: {exc}")
-        raise
-    split = federated_split(cfg, data.y_train)
+    with stop_run(say, f"cannot partition the data (data.partition={cfg.data.partition})", ValueError):
+        split = federated_split(cfg, data.y_train)
     sizes = [len(idx) for idx in split.client_idx]
     say(f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
         f"server public split {len(split.public_idx)}")
+
+    with stop_run(say, "the federation does not match the experiment", FederationMismatch):
+        clients = discover_clients(grid, cfg, say)
 
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy = strategy_cls(

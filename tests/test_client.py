@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 

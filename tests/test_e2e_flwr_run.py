@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,9 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     if npz is None:
         pytest.skip("fedssl-eval part needs the CIFAR-10 dev npz")
     feats = tmp_path / "feats.npz"
-    ev = subprocess.run([sys.executable, "-m", "ssl_models.eval_cli", str(out / "model.pt"), str(npz),
+    script = Path(sys.executable).parent / "fedssl-eval"  # the installed console script
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.eval_cli"]
+    ev = subprocess.run(cmd + [str(out / "model.pt"), str(npz),
                          "--max-train", "500", "--max-test", "200", "--probe-epochs", "5",
                          "--export-features", str(feats)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from strategies import FedSSL, get_strategy_class
