@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
+from ssl_models.encoders import available_backbones
 from ssl_models.methods import method_default_options
 from strategies import get_strategy_class
 
@@ -59,6 +60,13 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
         key = "strategy.name" if "strategy" in str(exc) else "method.name"
         raise ConfigError(f"{key}: {exc}") from None
     cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
+    valid_archs = available_backbones()
+    for key, arch in [("model.arch", cfg.model.arch)] + [("model.client_archs", a) for a in cfg.model.client_archs]:
+        if arch not in valid_archs:
+            raise ConfigError(f"{key}: unknown architecture {arch!r} (valid: {', '.join(valid_archs)})")
+    if any(a != cfg.model.arch for a in cfg.model.client_archs) and not strategy_cls.supports_mixed_archs:
+        raise ConfigError(f"model.client_archs: strategy {cfg.strategy.name!r} averages weights, so every client "
+                          f"must use model.arch ({cfg.model.arch!r}); mixed encoders need e.g. FLESD")
     cfg.strategy.options = validate_component_options(cfg.strategy.options, strategy_cls.default_options(),
                                                       "strategy.options")
     try:

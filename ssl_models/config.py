@@ -61,8 +61,11 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "resnet18"
+    arch: str = "resnet18"  # the global model's (and by default every client's) architecture
     width: float = 1.0  # channel width multiplier; tests use 0.125
+    # One architecture per client, for federations that mix encoders (FLESD, Hetero-SSFL); empty: all
+    # clients use ``arch``. Strategies that average weights need every client on ``arch``.
+    client_archs: list = field(default_factory=list)
 
 
 @dataclass
@@ -193,6 +196,11 @@ class ExperimentConfig:
             _require(d.synthetic_classes >= 2, "data.synthetic_classes", "must be >= 2", d.synthetic_classes)
 
         _require(self.model.width > 0, "model.width", "must be > 0", self.model.width)
+        archs = self.model.client_archs
+        _require(all(isinstance(a, str) and a for a in archs), "model.client_archs",
+                 "must be a list of architecture names", archs)
+        _require(not archs or len(archs) == self.federation.num_clients, "model.client_archs",
+                 f"must name one architecture per client ({self.federation.num_clients})", archs)
 
         t = self.train
         _require(t.local_epochs >= 1, "train.local_epochs", "must be >= 1", t.local_epochs)
@@ -254,6 +262,10 @@ class ExperimentConfig:
     def min_available_clients(self) -> int:
         return self.federation.min_available_clients or self.federation.num_clients
 
+    def client_arch(self, client_id: int) -> str:
+        """The encoder architecture of one client."""
+        return self.model.client_archs[client_id] if self.model.client_archs else self.model.arch
+
     def round_lr(self, server_round: int) -> float:
         """Learning rate of a (1-based) round: cosine decay across rounds, constant within one."""
         if self.train.lr_schedule == "constant":
@@ -302,7 +314,7 @@ def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             keys += leaf_keys(hint, f"{prefix}{f.name}.")
-        elif hint is not dict:
+        elif hint not in (dict, list):
             keys.append(prefix + f.name)
     return keys
 
@@ -328,6 +340,12 @@ def _build_dataclass(cls: type, data: Any, prefix: str):
         value, hint, key = data[name], hints[name], prefix + name
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build_dataclass(hint, value, key + ".")
+        elif hint is list:
+            if value is None:
+                value = []
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{key}: expected a list, got {type(value).__name__} ({value!r})")
+            kwargs[name] = list(value)
         elif hint is dict:
             if value is None:
                 value = {}

@@ -24,11 +24,11 @@ def method_options(cfg: ExperimentConfig) -> dict:
                                       "method.options")
 
 
-def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None) -> torch.nn.Module:
-    """A freshly initialised SSL method; the same seed gives the same weights."""
+def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None) -> torch.nn.Module:
+    """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights."""
     if seed is not None:
         torch.manual_seed(seed)
-    backbone, feature_dim = build_backbone(cfg.model.arch, cfg.model.width)
+    backbone, feature_dim = build_backbone(arch or cfg.model.arch, cfg.model.width)
     return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
 
 

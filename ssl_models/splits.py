@@ -70,6 +70,27 @@ def client_images(cfg: ExperimentConfig, partition_id: int, data: ImageData | No
     return data.x_train[federated_split(cfg, data.y_train).client_idx[partition_id]]
 
 
+def public_images(cfg: ExperimentConfig, data: ImageData | None = None, source: str = "split") -> np.ndarray:
+    """The public/auxiliary images every party can compute: the server-held split (``source="split"``) or
+    client 0's partition (``source="client0"``, FLESD's code, where client 0 then does not train)."""
+    data = data or load_experiment_data(cfg)
+    split = federated_split(cfg, data.y_train)
+    if source == "client0":
+        return data.x_train[split.client_idx[0]]
+    if source != "split":
+        raise ValueError(f"public source must be 'split' or 'client0', got {source!r}")
+    if len(split.public_idx) == 0:
+        raise ValueError("the public split is empty: set data.public_size (a count, or a fraction < 1)")
+    return data.x_train[split.public_idx]
+
+
+def images_digest(images: np.ndarray) -> str:
+    """Content hash of an image set (shape, dtype and pixels), to check that two parties hold the same one."""
+    h = hashlib.sha256(f"{images.shape}|{images.dtype}".encode())
+    h.update(np.ascontiguousarray(images).tobytes())
+    return h.hexdigest()
+
+
 def eval_subsets(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the labelled train images (kNN bank, probe fit) and test images used for evaluation."""
     e = cfg.eval

@@ -32,6 +32,8 @@ class FedSSL(Strategy):
 
     name = "fedssl"
     client_update = "fedssl"  # the ClientApp's download rule (client_app/tasks.py)
+    supports_mixed_archs = False  # averaging weights needs one architecture
+    message_type = "train"  # the ClientApp handler that serves a training round
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
@@ -83,6 +85,10 @@ class FedSSL(Strategy):
         self._round_start: dict[int, float] = {}
         self._bytes_down: dict[int, int] = {}
 
+    def prepare(self, cfg, data, split) -> None:
+        """Called by the ServerApp once before the first round with the experiment config, the data set and
+        its federated split (hook for strategies that train on the server)."""
+
     # ------------------------------------------------------------------ what is exchanged
     def exchange_prefixes(self, method) -> tuple[str, ...]:
         """State-dict key prefixes the clients upload and the server averages."""
@@ -97,7 +103,7 @@ class FedSSL(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self._round_start[server_round] = time.perf_counter()
-        available = self.wait_for_clients(grid, server_round)
+        available = self.trainable(self.wait_for_clients(grid, server_round))
         chosen = sample_clients(available, min(self.clients_per_round, len(available)), self.seed, server_round)
         payload = self.arrays_for_round(server_round, arrays)
         messages = []
@@ -108,10 +114,15 @@ class FedSSL(Strategy):
             content = RecordDict({"arrays": self.arrays_for_client(server_round, pid, payload), "config": cfg})
             if self.server_store is not None:
                 content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})
-            messages.append(Message(content, dst_node_id=node, message_type="train", group_id=str(server_round)))
+            messages.append(Message(content, dst_node_id=node, message_type=self.message_type,
+                                    group_id=str(server_round)))
         self._bytes_down[server_round] = sum(self.payload_bytes(m.content) for m in messages)
         log(INFO, "round %d: training on clients %s", server_round, chosen)
         return messages
+
+    def trainable(self, available: list[int]) -> list[int]:
+        """The clients that may train (hook: FLESD's client 0 holds the public set and does not train)."""
+        return available
 
     def wait_for_clients(self, grid: Grid, server_round: int) -> list[int]:
         """Partition ids whose nodes are connected, once at least ``min_available`` are (or time runs out)."""
@@ -152,8 +163,7 @@ class FedSSL(Strategy):
                 self.server_store.save(c["id"], from_array_record(r.content[CLIENT_STATE_RECORD]))
         aggregated = None
         if ok:
-            states = [from_array_record(r.content["arrays"]) for r in ok]
-            aggregated = to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
+            aggregated = self.aggregate(server_round, ok, clients)
         else:
             log(WARNING, "round %d: no client replied successfully; the global model is unchanged", server_round)
         loss = weighted_mean([c["loss"] for c in clients], [c["num_examples"] for c in clients])
@@ -170,6 +180,11 @@ class FedSSL(Strategy):
         }
         metrics = MetricRecord({"train_loss": loss, "num-examples": self.round_records[server_round]["num_examples"]})
         return aggregated, metrics
+
+    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
+        """The new global arrays from the successful replies: the example-weighted average."""
+        states = [from_array_record(r.content["arrays"]) for r in replies]
+        return to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
 
     @staticmethod
     def payload_bytes(content: RecordDict) -> int:
