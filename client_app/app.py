@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +12,12 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ssl_models.config import ExperimentConfig
+from ssl_models.splits import public_images
+from ssl_models.training import TrainStats
 from strategies.records import from_array_record, to_array_record
 from strategies.state_store import DiskStateStore
 
-from .tasks import local_images, train_local_ssl
+from .tasks import local_images, similarity_round, train_local_ssl
 
 app = ClientApp()
 
@@ -71,29 +74,69 @@ def info(msg: Message, context: Context) -> Message:
     }), reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+@dataclass
+class RoundInputs:
+    config: ConfigRecord
+    cfg: ExperimentConfig
+    partition_id: int
+    server_round: int
+    images: np.ndarray  # this client's training images
+
+    def log(self, line: str) -> None:
+        print(f"[client {self.partition_id} round {self.server_round}] {line}", flush=True)
+
+
+def round_inputs(msg: Message, context: Context) -> RoundInputs:
+    """Decode what every training round needs: the experiment, this client's id, the round, its images."""
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
-    server_round = int(config["server-round"])
     images = local_images(cfg, pid, str(context.node_config.get("data-path", "")) or None)
+    return RoundInputs(config, cfg, pid, int(config["server-round"]), images)
+
+
+def train_metrics(pid: int, s: TrainStats) -> dict:
+    return {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
+            "steps": s.steps, "images_per_s": s.images_per_s}
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Generalized FedSSL, FedProx, FedEMA, FedU, Min-Local: a download rule, local SSL, upload."""
+    r = round_inputs(msg, context)
+    config = r.config
     result = train_local_ssl(
-        cfg, images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, pid),
-        server_round=server_round, partition_id=pid, lr=float(config["lr"]),
+        r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
         update_both=bool(config.get("update-both", False)), rule=str(config.get("client-update", "fedssl")),
-        rule_options=cfg.strategy.options,
-        log=lambda line: print(f"[client {pid} round {server_round}] {line}", flush=True),
+        rule_options=r.cfg.strategy.options, proximal_mu=float(config.get("proximal-mu", 0.0)),
+        proximal_form=str(config.get("proximal-form", "paper")), log=r.log,
     )
-    s = result.stats
-    metrics = {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
-               "steps": s.steps, "images_per_s": s.images_per_s}
+    metrics = train_metrics(r.partition_id, result.stats)
     # What the download rule did (FedEMA's mu and divergence, FedU's predictor switch), for the audit log.
     for key, value in result.info.items():
         if isinstance(value, bool):
             metrics[f"rule.{key}"] = int(value)
-        elif isinstance(value, (int, float)) and value is not None:
+        elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
     reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)})
-    keep_client_state(msg, context, pid, result.client_state, reply)
+    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
+    return Message(reply, reply_to=msg)
+
+
+@app.train("similarity")
+def train_similarity(msg: Message, context: Context) -> Message:
+    """FLESD: local SSL, then upload the similarity matrix of the public set's representations."""
+    r = round_inputs(msg, context)
+    config = r.config
+    result = similarity_round(
+        r.cfg, r.images, public_images(r.cfg, source=str(config["public-source"])),
+        from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
+        public_digest=str(config["public-digest"]), similarity=str(config["similarity"]),
+        topk_fraction=float(config.get("topk-fraction", 0.0)) or None, log=r.log,
+    )
+    reply = RecordDict({"similarity": to_array_record(result.payload),
+                        "metrics": MetricRecord(train_metrics(r.partition_id, result.stats))})
+    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)

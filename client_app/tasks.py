@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
+import torch
 
 from ssl_models.config import ExperimentConfig
 from ssl_models.data import load_npz
 from ssl_models.factory import build_ssl_model, load_partial_state, reset_target_from_online, split_state, \
     state_to_numpy
+from ssl_models.losses import proximal_term
 from ssl_models.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
-from ssl_models.splits import client_images
+from ssl_models.similarity import client_similarity_payload, public_representations
+from ssl_models.splits import client_images, images_digest
 from ssl_models.training import TrainStats, resolve_device, train_ssl
 
 ONLINE_ENCODER = ("backbone.", "projector.")
@@ -142,14 +145,37 @@ def fedu_download(method, global_state, client_state, server_round, options) -> 
     return {"divergence": d, "predictor_updated": bool(update_predictor)}
 
 
+def local_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
+    """Min-Local: no aggregation. The client starts once from the shared initial model, then only ever
+    continues its own."""
+    own = _model_entries(client_state)
+    if own:
+        load_partial_state(method, own)
+        return {}
+    load_partial_state(method, global_state)
+    reset_target_from_online(method)
+    return {}
+
+
 DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
     "fedssl": fedssl_download,
+    "local": local_download,
     "fedema": fedema_download,
     "fedu": fedu_download,
 }
 
 
 # ---------------------------------------------------------------------- the local round
+
+
+def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
+                   loss_hook=None, log: Callable[[str], None] | None = None) -> TrainStats:
+    """``train_ssl`` with the experiment's local-training settings."""
+    t = cfg.train
+    return train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
+                     momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
+                     drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
+                     loss_hook=loss_hook, log=log)
 
 
 def train_local_ssl(
@@ -164,25 +190,34 @@ def train_local_ssl(
     update_both: bool = False,
     rule: str = "fedssl",
     rule_options: Mapping[str, Any] | None = None,
+    proximal_mu: float = 0.0,
+    proximal_form: str = "paper",
     log: Callable[[str], None] | None = None,
 ) -> LocalRoundResult:
-    """One round on one client: download rule, local SSL training, upload and client state."""
+    """One round on one client: download rule, local SSL training, upload and client state.
+
+    ``proximal_mu > 0`` adds FedProx's proximal term towards the received global weights to every step."""
     if rule not in DOWNLOAD_RULES:
         raise ValueError(f"unknown client download rule {rule!r} (valid: {', '.join(DOWNLOAD_RULES)})")
     seed = round_seed(cfg, server_round, partition_id)
     method = build_ssl_model(cfg, seed=seed)
     info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, dict(rule_options or {}))
     method.on_new_global()
-    start_state = state_to_numpy(method.state_dict()) if rule != "fedssl" else None
-    t = cfg.train
-    stats = train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr,
-                      optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay,
-                      device=resolve_device(t.device), fast_path=t.fast_path, drop_last=t.drop_last,
-                      max_steps_per_epoch=t.max_steps_per_epoch, seed=seed, log=log)
+    start_state = state_to_numpy(method.state_dict()) if rule in ("fedema", "fedu") else None
+    device = resolve_device(cfg.train.device)
+    hook = None
+    if proximal_mu > 0:
+        anchors = {k: torch.as_tensor(v).to(device) for k, v in global_state.items()}
+        named = dict(method.named_parameters())
+        params = {k: p for k, p in named.items() if k in anchors and p.requires_grad}
+        hook = lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper")  # noqa: E731
+    stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
     method.cpu()
     shared, local = split_state(method, method.shared_prefixes(update_both=update_both))
     if rule == "fedssl":
         kept = state_to_numpy(local)  # what the server does not hold: target branch, queue
+    elif rule == "local":
+        kept = state_to_numpy(method.state_dict())  # the client's own model is all it has
     else:
         # FedEMA/FedU need the client's whole last model (online, predictor, target) next time.
         kept = state_to_numpy(method.state_dict())
@@ -191,3 +226,56 @@ def train_local_ssl(
             kept[META + "lambda"] = np.array([float(info["lambda"])])
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
     return LocalRoundResult(state_to_numpy(shared), kept, stats, info)
+
+
+# ---------------------------------------------------------------------- FLESD: similarity upload
+
+
+class PublicSetMismatch(ValueError):
+    """The client's public set is not the server's (different data, split or file)."""
+
+
+@dataclass
+class SimilarityRoundResult:
+    payload: dict[str, np.ndarray]  # the similarity matrix in transport form
+    client_state: dict[str, np.ndarray]
+    stats: TrainStats
+
+
+def similarity_round(
+    cfg: ExperimentConfig,
+    images: np.ndarray,
+    public: np.ndarray,
+    global_state: Mapping[str, np.ndarray],
+    client_state: Mapping[str, np.ndarray] | None,
+    *,
+    server_round: int,
+    partition_id: int,
+    lr: float,
+    public_digest: str,
+    similarity: str,
+    topk_fraction: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> SimilarityRoundResult:
+    """One FLESD client round: local SSL on the client's own encoder, then the similarity matrix of its
+    representations of the public set. ``global_state`` is empty for a client whose architecture differs
+    from the global model's: it continues from its own weights."""
+    digest = images_digest(public)
+    if digest != public_digest:
+        raise PublicSetMismatch(
+            f"public set mismatch on client {partition_id}: its {len(public)} public images hash to {digest[:16]}, "
+            f"the server's to {public_digest[:16]}; both must load the same data file and config")
+    seed = round_seed(cfg, server_round, partition_id)
+    method = build_ssl_model(cfg, seed=seed, arch=cfg.client_arch(partition_id))
+    own = _model_entries(client_state)
+    if global_state:
+        fedssl_download(method, global_state, client_state, server_round, {})
+    elif own:
+        load_partial_state(method, own)
+    device = resolve_device(cfg.train.device)
+    stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, log=log)
+    z = public_representations(method, public, device=device)
+    payload = client_similarity_payload(z, similarity, topk_fraction if similarity == "topk" else None)
+    kept = state_to_numpy(method.cpu().state_dict())
+    kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
+    return SimilarityRoundResult(payload, kept, stats)

@@ -92,6 +92,20 @@ class ServerEvaluator:
                                  self.num_classes, device=self.device, knn=knn, linear=linear, knn_k=e.knn_k,
                                  knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
 
+    def evaluate_models(self, models: dict[str, ArrayRecord], *, knn: bool, linear: bool
+                        ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """Scores of one or several encoders. With several (Min-Local: every client's own), the headline
+        scores are the minimum over them, and each model's scores are returned too."""
+        by_model = {name: self.evaluate(arrays, knn=knn, linear=linear) for name, arrays in models.items()}
+        if len(by_model) == 1:
+            return next(iter(by_model.values())), {}
+        headline = dict(next(iter(by_model.values())))
+        for key in ("knn_acc", "linear_probe_acc"):
+            values = [s[key] for s in by_model.values() if s.get(key) is not None]
+            headline[key] = min(values) if values else None
+            headline[f"{key}_mean"] = sum(values) / len(values) if values else None
+        return headline, {name: {k: s.get(k) for k in ("knn_acc", "linear_probe_acc")} for name, s in by_model.items()}
+
 
 @contextmanager
 def stop_run(say, what: str, *errors: type[BaseException]):
@@ -139,6 +153,7 @@ def main(grid: Grid, context: Context) -> None:
         round_config=lambda rnd: {"lr": cfg.round_lr(rnd)}, options=cfg.strategy.options,
         state_dir=str(out_dir / "client_state"),
     )
+    strategy.prepare(cfg, data, split)
     evaluator = ServerEvaluator(cfg)
     initial_model = build_ssl_model(cfg, seed=cfg.seed)
     shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
@@ -156,7 +171,10 @@ def main(grid: Grid, context: Context) -> None:
         e = cfg.eval
         if e.knn_every and (server_round % e.knn_every == 0 or server_round == cfg.rounds):
             t0 = time.perf_counter()
-            record["knn_acc"] = evaluator.evaluate(arrays, knn=True, linear=False)["knn_acc"]
+            scores, by_model = evaluator.evaluate_models(strategy.models_to_evaluate(arrays), knn=True, linear=False)
+            record["knn_acc"] = scores["knn_acc"]
+            if by_model:
+                record["knn_acc_by_model"] = {name: v["knn_acc"] for name, v in by_model.items()}
             record["eval_s"] = time.perf_counter() - t0
         clients_list = record.pop("clients", [])
         record["clients"] = clients_list  # keep per-client facts last: the line stays readable
@@ -173,18 +191,23 @@ def main(grid: Grid, context: Context) -> None:
     )
     final = result.arrays if result.arrays is not None and len(result.arrays) else initial
 
-    backbone = evaluator.load(final)
-    save_encoder_checkpoint(writer.model_path, backbone, cfg.model.arch, cfg.model.width,
-                            extra={"method": cfg.method.name, "strategy": cfg.strategy.name,
-                                   "rounds": len(writer.records), "experiment": cfg.name})
+    models = strategy.models_to_evaluate(final)
+    for name, arrays in models.items():  # model.pt, or model_client_<i>.pt for each client's own encoder
+        path = writer.model_path if len(models) == 1 else writer.out_dir / f"model_{name}.pt"
+        save_encoder_checkpoint(path, evaluator.load(arrays), cfg.model.arch, cfg.model.width,
+                                extra={"method": cfg.method.name, "strategy": cfg.strategy.name, "model": name,
+                                       "rounds": len(writer.records), "experiment": cfg.name})
     say("final evaluation (kNN + linear probe) ...")
-    scores = evaluator.evaluate(final, knn=True, linear=cfg.eval.linear_probe)
+    scores, by_model = evaluator.evaluate_models(models, knn=True, linear=cfg.eval.linear_probe)
     summary = {
         "name": cfg.name,
         "method": cfg.method.name,
         "strategy": cfg.strategy.name,
         "linear_probe_acc": scores.get("linear_probe_acc"),
         "knn_acc": scores.get("knn_acc"),
+        **({"scores_by_model": by_model, "headline": "minimum over the models",
+            "linear_probe_acc_mean": scores.get("linear_probe_acc_mean"), "knn_acc_mean": scores.get("knn_acc_mean")}
+           if by_model else {}),
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
         "run_s": time.perf_counter() - started,

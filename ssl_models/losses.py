@@ -98,3 +98,14 @@ def byol_regression_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     Equal to ``2 + 2 * negative_cosine_similarity(p, z)``: same gradients up to a factor 2, different offset.
     """
     return 2.0 + 2.0 * negative_cosine_similarity(p, z)
+
+
+def proximal_term(params: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor], mu: float,
+                  half: bool = True) -> torch.Tensor:
+    """FedProx's proximal term over named parameters: (mu/2) * sum ||w - w_g||^2 (``half=False``: the FLESD
+    code's mu * sum ||w - w_g||^2). ``anchors`` are the global weights (no gradient)."""
+    keys = [k for k in params if k in anchors]
+    if not keys:
+        raise ValueError("proximal_term: no parameter has a global anchor")
+    total = sum(((params[k].float() - anchors[k].float()) ** 2).sum() for k in keys)
+    return (0.5 * mu if half else mu) * total

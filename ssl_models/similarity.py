@@ -398,3 +398,35 @@ def distillation_targets(
     sums = block.sum(dim=1, keepdim=True)
     uniform = torch.full_like(block, 1.0 / max(1, block.shape[1]))
     return torch.where(sums > 0, block / sums.clamp_min(torch.finfo(block.dtype).tiny), uniform)
+
+
+# ------------------------------------------------------------------------------------------- client side
+@torch.no_grad()
+def public_representations(method: torch.nn.Module, images_uint8_nhwc: np.ndarray, device: torch.device | str = "cpu",
+                           batch_size: int = 512) -> torch.Tensor:
+    """Projector outputs ``projector(backbone(x))`` of the public images, eval mode, no augmentation, float32 on
+    the CPU (FLESD's representations: the contrastive head's output). The module's modes are restored."""
+    from .augment import to_float_nchw
+
+    modes = {m: m.training for m in method.modules()}
+    method.eval()
+    method.to(device)
+    out = []
+    try:
+        for start in range(0, len(images_uint8_nhwc), batch_size):
+            x = to_float_nchw(images_uint8_nhwc[start:start + batch_size]).to(device).contiguous()
+            out.append(method.projector(method.backbone(x)).float().cpu())
+    finally:
+        for module, mode in modes.items():
+            module.train(mode)
+    return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def client_similarity_payload(representations: torch.Tensor, mode: str, fraction: float | None = None
+                              ) -> dict[str, np.ndarray]:
+    """What a FLESD client uploads: the similarity matrix of its representations in transport form. The
+    top-n% form is computed row-block by row-block, never holding the (N, N) matrix."""
+    if mode == TOPK:
+        values, indices = similarity_topk(representations, fraction)
+        return pack_topk(values, indices, int(representations.shape[0]))
+    return encode_similarity(similarity_matrix(representations), mode)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from .fedema import FedEMA
+from .fedprox import FedProx
+from .flesd import FLESD
+from .local import Local
 from .fedssl import FedSSL
 from .fedu import FedU
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL, FedEMA, FedU)}
+STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local)}
 
 
 def get_strategy_class(name: str):

@@ -181,6 +181,10 @@ class FedSSL(Strategy):
         metrics = MetricRecord({"train_loss": loss, "num-examples": self.round_records[server_round]["num_examples"]})
         return aggregated, metrics
 
+    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
+        """The encoders the server scores: the global model (Min-Local scores every client's own)."""
+        return {"global": arrays}
+
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
         """The new global arrays from the successful replies: the example-weighted average."""
         states = [from_array_record(r.content["arrays"]) for r in replies]

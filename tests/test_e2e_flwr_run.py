@@ -84,3 +84,19 @@ def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
         assert abs(third["mu"] - min(1.0, third["lambda"] * third["divergence"])) < 1e-9
     files = sorted(p.name for p in (out / "client_state").glob("run-*/client_*.npz"))
     assert files == ["client_0.npz", "client_1.npz"]
+
+
+def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):
+    out = tmp_path / "out"
+    proc = flwr_run(f"config='configs/smoke-flesd.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+    rounds = read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert sorted((c["id"], c["arch"]) for c in r["clients"]) == [(0, "resnet18"), (1, "resnet34")]
+        assert math.isfinite(r["distill_loss"]) and r["distill_steps"] > 0 and r["public_size"] == 200
+        # Up: two top-10% similarity matrices (fp16 values + uint8 indices), far below the model bytes down,
+        # which only the ResNet-18 client receives.
+        assert 0 < r["bytes_up"] < r["bytes_down"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 <= summary["linear_probe_acc"] <= 1 and summary["data"]["public_size"] == 200

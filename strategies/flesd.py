@@ -1,0 +1,155 @@
+"""FLESD (Shi et al., "Federated Self-Supervised Contrastive Learning via Ensemble Similarity Distillation").
+
+Clients send no weights: after local SSL training each client uploads the similarity matrix
+``M_k = z z^T`` of its L2-normalised projections of a public image set that the server and every client
+hold identically (checked by a content hash). The server ensembles ``exp((M_k - rowmax) / tau_T)`` over the
+round's clients and distils the ensemble into the global model (a momentum key encoder and a FIFO queue of
+anchor keys with their public-set indices, KL to the renormalised ensemble rows). The distilled model goes
+back to the clients whose encoder has the global architecture; the others keep their own weights, so a
+federation may mix encoders (``model.client_archs``).
+
+Math: ``ssl_models/similarity.py`` (ensemble, top-n% transport) and ``ssl_models/distillation.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, Message
+from flwr.common.logger import log
+
+from ssl_models.distillation import build_key_encoder, distill
+from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.similarity import ENCODING_MODES, TOPK, ensemble_similarity
+from ssl_models.splits import images_digest, public_images
+from ssl_models.training import resolve_device
+
+from .fedema import check_choice, check_positive, check_unit
+from .fedssl import FedSSL
+from .records import from_array_record, to_array_record
+
+SIMILARITY_RECORD = "similarity"
+PUBLIC_SOURCES = ("split", "client0")
+SPARSIFY = ("paper", "code")
+
+
+class FLESD(FedSSL):
+    name = "flesd"
+    client_update = "fedssl"  # a client of the global architecture takes the distilled model as it is
+    supports_mixed_archs = True
+    message_type = "train.similarity"
+
+    @classmethod
+    def default_options(cls) -> dict[str, Any]:
+        return {
+            **super().default_options(),
+            # Public set: the server-held split (data.public_size) or, as in the official code, client 0's
+            # partition (client 0 then does not train).
+            "public_source": "split",
+            # Upload: dense-fp32, dense-fp16, or topk (the top n% entries of each row as fp16 values + indices).
+            "similarity": "topk",
+            "topk_fraction": 0.1,
+            "sparsify": "paper",  # paper: dropped entries get probability 0; code: set to 0 before the exp
+            "target_temperature": 0.1,  # tau_T of the ensemble
+            "student_temperature": 0.1,  # tau_S of the distillation
+            "distill_iterations": 1000,  # J
+            "distill_batch_size": 128,
+            "queue_size": 2048,
+            "distill_momentum": 0.999,
+            "distill_lr": 1e-3,
+            "distill_weight_decay": 1e-6,
+        }
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        super().check_options(options)
+        if options["update_both"]:
+            raise ValueError("strategy.options.update_both: FLESD exchanges no weights upward; keep it false")
+        check_choice(options, "public_source", PUBLIC_SOURCES)
+        check_choice(options, "similarity", ENCODING_MODES)
+        check_choice(options, "sparsify", SPARSIFY)
+        check_unit(options, "topk_fraction")
+        check_positive(options, "topk_fraction")
+        for key in ("target_temperature", "student_temperature", "distill_iterations", "distill_batch_size",
+                    "queue_size", "distill_lr"):
+            check_positive(options, key)
+        check_unit(options, "distill_momentum")
+
+    def prepare(self, cfg, data, split) -> None:
+        self.cfg = cfg
+        self.public = public_images(cfg, data, self.options["public_source"])
+        self.public_digest = images_digest(self.public)
+        self.device = resolve_device(cfg.train.device)
+        self.model = build_ssl_model(cfg, seed=cfg.seed)
+        self.key_encoder = None  # the momentum encoder carries over between rounds
+        self.distill_stats: dict[int, dict[str, Any]] = {}
+        log(INFO, "FLESD public set: %d images, sha256 %s", len(self.public), self.public_digest[:16])
+
+    def trainable(self, available: list[int]) -> list[int]:
+        if self.options["public_source"] == "client0":
+            return [pid for pid in available if pid != 0]
+        return available
+
+    def client_config(self, server_round: int) -> dict[str, Any]:
+        o = self.options
+        return {**super().client_config(server_round), "public-source": o["public_source"],
+                "public-digest": self.public_digest, "similarity": o["similarity"],
+                "topk-fraction": float(o["topk_fraction"]) if o["similarity"] == TOPK else 0.0}
+
+    def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The distilled model only for clients of the global architecture; others keep their own."""
+        if self.cfg.client_arch(partition_id) != self.cfg.model.arch:
+            return ArrayRecord()
+        return arrays
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self._global = arrays  # the student of this round's distillation
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
+        o = self.options
+        n = len(self.public)
+        t0 = time.perf_counter()
+        # Decoded one upload at a time: the server holds the running ensemble plus one client's matrix.
+        payloads = (from_array_record(r.content[SIMILARITY_RECORD]) for r in replies)
+        ensemble = ensemble_similarity(payloads, float(o["target_temperature"]), sparsify=o["sparsify"], n=n)
+        ensemble_s = time.perf_counter() - t0
+        load_partial_state(self.model, from_array_record(self._global))
+        if self.key_encoder is None:  # the momentum encoder starts as the student and carries over
+            self.key_encoder = build_key_encoder(self.model)
+        stats = distill(
+            self.model, self.public, ensemble, iterations=int(o["distill_iterations"]),
+            batch_size=min(int(o["distill_batch_size"]), n), queue_size=int(o["queue_size"]),
+            momentum=float(o["distill_momentum"]), temperature=float(o["student_temperature"]),
+            lr=float(o["distill_lr"]), weight_decay=float(o["distill_weight_decay"]), device=self.device,
+            fast_path=self.cfg.train.fast_path, seed=self.seed * 1009 + server_round, key_encoder=self.key_encoder,
+        )
+        self.model.cpu()
+        del ensemble
+        self.distill_stats[server_round] = {"ensemble_s": ensemble_s, **stats}
+        log(INFO, "round %d: ensembled %d similarity matrices (%dx%d) in %.1f s, distilled %s steps in %.1f s "
+            "(loss %.4f)", server_round, len(replies), n, n, ensemble_s, stats["steps"], stats["seconds"],
+            stats["loss"])
+        shared, _ = split_state(self.model, self.exchange_prefixes(self.model))
+        return to_array_record(state_to_numpy(shared))
+
+    def aggregate_train(self, server_round, replies):
+        replies = list(replies)
+        for r in replies:  # a client on another public set would poison the ensemble: stop the run
+            if r.has_error() and "public set mismatch" in r.error.reason:
+                raise RuntimeError(f"round {server_round}: {r.error.reason}")
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        record = self.round_records.get(server_round)
+        if record is not None and server_round in self.distill_stats:
+            d = self.distill_stats[server_round]
+            record.update(distill_loss=d["loss"], distill_steps=d["steps"], distill_s=d["seconds"],
+                          ensemble_s=d["ensemble_s"], public_size=len(self.public))
+        return arrays, metrics
+
+    def client_record(self, reply: Message) -> dict[str, Any]:
+        record = super().client_record(reply)
+        record["arch"] = self.cfg.client_arch(record["id"])
+        return record
+

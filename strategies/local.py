@@ -1,0 +1,44 @@
+"""Min-Local: the no-collaboration baseline of the FLESD paper. Every client trains only its own model on
+its own data; nothing is aggregated. The clients start from one shared initial model (sent once) and upload
+their model each round for evaluation only; the server keeps the latest one per client on disk and reports
+each client's accuracy and their minimum ("Min-Local") and mean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import ArrayRecord, Message
+
+from .fedssl import FedSSL
+from .records import from_array_record, to_array_record
+from .state_store import DiskStateStore
+
+
+class Local(FedSSL):
+    name = "local"
+    client_update = "local"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.started: set[int] = set()
+        self.models = DiskStateStore(f"{self.state_dir or '.'}/local-models")
+        self.models.clear()
+
+    def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
+        if partition_id in self.started:
+            return ArrayRecord()  # nothing to download: the client continues its own model
+        self.started.add(partition_id)
+        return arrays  # the shared initial model, once
+
+    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
+        for reply, client in zip(replies, clients):
+            self.models.save(client["id"], from_array_record(reply.content["arrays"]))
+        return None  # no aggregation: there is no global model
+
+    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
+        out = {}
+        for pid in sorted(self.clients):
+            state = self.models.load(pid)
+            if state is not None:
+                out[f"client_{pid}"] = to_array_record(state)
+        return out or super().models_to_evaluate(arrays)
