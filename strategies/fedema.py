@@ -13,25 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from .fedssl import FedSSL
+from .options import check_choice, check_positive, check_unit
 
 MU_MODES = ("autoscaler", "lambda", "constant")
 EMA_SCOPES = ("both", "encoder", "predictor")
 DIVERGENCES = ("paper", "easyfl")
-
-
-def check_choice(options: dict[str, Any], key: str, choices: tuple[str, ...]) -> None:
-    if options[key] not in choices:
-        raise ValueError(f"strategy.options.{key}: must be one of {', '.join(choices)} (got {options[key]!r})")
-
-
-def check_positive(options: dict[str, Any], key: str) -> None:
-    if not options[key] > 0:
-        raise ValueError(f"strategy.options.{key}: must be > 0 (got {options[key]!r})")
-
-
-def check_unit(options: dict[str, Any], key: str) -> None:
-    if not 0.0 <= options[key] <= 1.0:
-        raise ValueError(f"strategy.options.{key}: must be in [0, 1] (got {options[key]!r})")
 
 
 class FedEMA(FedSSL):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fedema import check_choice
+from .options import check_choice
 from .fedssl import FedSSL
 
 PROXIMAL_FORMS = ("paper", "code")

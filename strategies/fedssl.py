@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
+from .options import check_choice
 from .records import from_array_record, record_bytes, to_array_record
 from .state_store import CLIENT_STATE_MODES, DiskStateStore
 
@@ -43,9 +44,7 @@ class FedSSL(Strategy):
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         """Value checks beyond types; raise ValueError naming ``strategy.options.<key>``."""
-        if options["client_state"] not in CLIENT_STATE_MODES:
-            raise ValueError(f"strategy.options.client_state: must be one of {', '.join(CLIENT_STATE_MODES)} "
-                             f"(got {options['client_state']!r})")
+        check_choice(options, "client_state", CLIENT_STATE_MODES)
 
     def __init__(
         self,
@@ -63,7 +62,6 @@ class FedSSL(Strategy):
         if not 1 <= clients_per_round <= len(clients):
             raise ValueError(f"clients_per_round must be in [1, {len(clients)}], got {clients_per_round}")
         self.clients = dict(clients)
-        self.partition_of = {node: pid for pid, node in self.clients.items()}
         self.clients_per_round = clients_per_round
         self.min_available = len(clients) if min_available is None else min_available
         self.node_wait_s = node_wait_s

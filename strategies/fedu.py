@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fedema import DIVERGENCES, check_choice, check_positive
+from .fedema import DIVERGENCES
+from .options import check_choice, check_positive
 from .fedssl import FedSSL
 
 

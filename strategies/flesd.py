@@ -26,7 +26,7 @@ from ssl_models.similarity import ENCODING_MODES, TOPK, ensemble_similarity
 from ssl_models.splits import images_digest, public_images
 from ssl_models.training import resolve_device
 
-from .fedema import check_choice, check_positive, check_unit
+from .options import check_choice, check_positive, check_unit
 from .fedssl import FedSSL
 from .records import from_array_record, to_array_record
 
