@@ -29,7 +29,7 @@ from torch import nn
 from .augment import SSLAugment
 from .momentum import copy_as_target, ema_update_
 from .similarity import distillation_targets
-from .training import fast_path_for
+from .training import fast_path_for, optimizer_step
 
 
 # ------------------------------------------------------------------------------------------- queue
@@ -225,18 +225,7 @@ def distill(
                 continue
             targets = distillation_targets(ensemble, batch_idx, queue.indices).to(device)
             loss = similarity_distillation_loss(student(view_q), queue.keys, targets, temperature)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"distillation loss became {value} at iteration {iteration + 1}")
-        total_loss += value
+        total_loss += optimizer_step(loss, optimizer, scaler, f"distillation loss at iteration {iteration + 1}")
         steps += 1
         if log is not None and steps % 50 == 0:
             log(f"distillation step {steps}/{iterations - warmup}: mean loss so far {total_loss / steps:.4f}")

@@ -91,6 +91,24 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, m
     raise ValueError(f"optimizer: unknown name {name!r} (valid: sgd, adam, adamw)")
 
 
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None, what: str) -> float:
+    """Backward and one optimizer step (through the gradient scaler when fp16 needs one); returns the loss
+    value and stops with ``what`` named if it is not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} became {value}")
+    return value
+
+
 def train_ssl(
     method: torch.nn.Module,
     images: np.ndarray | torch.Tensor,
@@ -158,18 +176,8 @@ def train_ssl(
                 loss = method.training_step(v1, v2)
                 if loss_hook is not None:
                     loss = loss + loss_hook(method)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            value = optimizer_step(loss, opt, scaler, f"local SSL loss at epoch {epoch + 1} step {step + 1}")
             method.after_optimizer_step()
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"local SSL loss became {value} at epoch {epoch + 1} step {step + 1}")
             total_loss += value
             steps += 1
         if log is not None:
