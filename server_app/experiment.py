@@ -55,10 +55,12 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
     cfg.check_files()
     try:
         method_defaults = method_default_options(cfg.method.name)
+    except ValueError as exc:
+        raise ConfigError(f"method.name: {exc}") from None
+    try:
         strategy_cls = get_strategy_class(cfg.strategy.name)
     except ValueError as exc:
-        key = "strategy.name" if "strategy" in str(exc) else "method.name"
-        raise ConfigError(f"{key}: {exc}") from None
+        raise ConfigError(str(exc)) from None  # the registry's message already names strategy.name
     cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
     valid_archs = available_backbones()
     for key, arch in [("model.arch", cfg.model.arch)] + [("model.client_archs", a) for a in cfg.model.client_archs]:
