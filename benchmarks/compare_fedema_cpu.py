@@ -13,17 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from flwr_harness import flwr_run, read_jsonl  # noqa: E402
+from runs import REPO, run_experiment
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {
@@ -74,26 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"python benchmarks/compare_fedema_cpu.py --data {Path(args.data).name} --seeds "
                + " ".join(map(str, args.seeds)) + (f" --rounds {args.rounds}" if args.rounds else ""))
     runs: list[dict] = []
-    n = base["federation"]["num_clients"]
     for seed in args.seeds:
         for variant, strategy in VARIANTS.items():
             raw = json.loads(json.dumps(base))
             raw.update(seed=seed, name=f"cpu-compare-{strategy['name']}-seed{seed}", strategy=strategy)
             raw["data"]["path"] = str(Path(args.data).resolve())
-            with tempfile.TemporaryDirectory() as tmp:
-                tmp = Path(tmp)
-                (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
-                t0 = time.perf_counter()
-                proc = flwr_run(f"config='{tmp / 'cfg.yaml'}' output-dir='{tmp / 'out'}'", tmp / "flwr",
-                                federation_config=f"num-supernodes={n}", timeout_s=3600)
-                summary_path = tmp / "out" / "summary.json"
-                if not summary_path.is_file():
-                    print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
-                    raise RuntimeError(f"{variant} seed {seed} failed")
-                summary = json.loads(summary_path.read_text())
-                rounds = read_jsonl(tmp / "out" / "metrics.jsonl")
+            res = run_experiment(raw)
+            summary, rounds = res["summary"], res["rounds"]
             runs.append({"variant": variant, "seed": seed, "linear_probe_acc": summary["linear_probe_acc"],
-                         "knn_acc": summary["knn_acc"], "run_s": time.perf_counter() - t0,
+                         "knn_acc": summary["knn_acc"], "run_s": res["run_s"],
                          "knn_curve": [[r["round"], r.get("knn_acc")] for r in rounds if r.get("knn_acc") is not None],
                          "loss_curve": [r["train_loss"] for r in rounds],
                          "mu": [[c.get("mu") for c in r["clients"]] for r in rounds]})
