@@ -91,8 +91,24 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
-    images = local_images(cfg, pid, str(context.node_config.get("data-path", "")) or None)
-    return RoundInputs(config, cfg, pid, int(config["server-round"]), images)
+    data_path = str(context.node_config.get("data-path", "")) or None
+    images = local_images(cfg, pid, data_path)
+    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images)
+    # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.
+    r.log(f"run {context.run_id} on host {platform.node()}: {len(images)} images from "
+          f"{data_path or 'its partition of ' + (cfg.data.path or cfg.data.dataset)}; "
+          f"{state_location(config, context)}")
+    return r
+
+
+def state_location(config: ConfigRecord, context: Context) -> str:
+    """Where this client's state between rounds is kept, in words."""
+    mode = str(config.get("client-state", "memory"))
+    if mode == "disk":
+        return f"client state in {_disk_store(config, context).root.resolve()}"
+    if mode == "server":
+        return "client state kept by the server"
+    return "client state in this SuperNode's memory"
 
 
 def train_metrics(pid: int, s: TrainStats) -> dict:

@@ -9,7 +9,7 @@ from logging import ERROR
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -20,6 +20,7 @@ from ssl_models.factory import build_ssl_model, load_partial_state, split_state,
 from ssl_models.splits import eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
+from strategies.nodes import query_partitions
 from strategies.records import from_array_record, to_array_record
 
 from .experiment import load_experiment, output_dir_for
@@ -48,24 +49,22 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
     if len(nodes) != n:
         raise FederationMismatch(f"the experiment has federation.num_clients={n} but the federation has "
                                  f"{len(nodes)} nodes: {how}")
-    queries = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type="query.info")
-               for node in nodes]
-    replies = list(grid.send_and_receive(queries, timeout=cfg.federation.round_timeout_s))
     clients: dict[int, int] = {}
-    for reply in replies:
-        if reply.has_error():
-            raise RuntimeError(f"node {reply.metadata.src_node_id} failed to report its partition: "
-                               f"{reply.error.reason}")
-        m = reply.content["metrics"]
-        pid, num = int(m["partition-id"]), int(m["num-partitions"])
+    hosts: dict[str, int] = {}  # clients per host, to show where the federation runs
+    for info in query_partitions(grid, nodes, timeout=cfg.federation.round_timeout_s):
+        if info.error:
+            raise RuntimeError(f"node {info.node_id} failed to report its partition: {info.error}")
+        pid, num = info.partition_id, info.num_partitions
         if num != n:
-            raise FederationMismatch(f"node {reply.metadata.src_node_id} holds partition {pid} of {num}, but "
+            raise FederationMismatch(f"node {info.node_id} holds partition {pid} of {num}, but "
                                      f"the experiment has federation.num_clients={n}: {how}")
         if pid in clients:
             raise FederationMismatch(f"two nodes claim partition-id {pid}: give every node its own partition-id")
-        clients[pid] = reply.metadata.src_node_id
+        clients[pid] = info.node_id
+        hosts[info.host or "?"] = hosts.get(info.host or "?", 0) + 1
     if sorted(clients) != list(range(n)):
         raise FederationMismatch(f"nodes reported partitions {sorted(clients)}, expected 0..{n - 1}: {how}")
+    say(f"{n} clients found on {len(hosts)} host(s): " + ", ".join(f"{h} ({c})" for h, c in sorted(hosts.items())))
     return clients
 
 
@@ -116,6 +115,14 @@ def stop_run(say, what: str, *errors: type[BaseException]):
         log(ERROR, "%s: %s", what, exc)
         say(f"stopped: {what}: {exc}")
         raise
+
+
+def failed_note(record: dict) -> str:
+    """", 1 failed (client 1: Node Unavailable ...)" for the progress line, or nothing."""
+    failed = record.get("failed_clients") or []
+    if not failed:
+        return ""
+    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {f['reason']}" for f in failed) + ")"
 
 
 def _mb(n: int) -> str:
@@ -182,7 +189,7 @@ def main(grid: Grid, context: Context) -> None:
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
         say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
             f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
-            f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok")
+            f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok{failed_note(record)}")
         return MetricRecord({"knn_acc": float(record["knn_acc"])}) if record.get("knn_acc") is not None else None
 
     result = strategy.start(

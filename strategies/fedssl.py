@@ -21,11 +21,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
+from .nodes import query_partitions
 from .options import check_choice
 from .records import from_array_record, record_bytes, to_array_record
 from .state_store import CLIENT_STATE_MODES, DiskStateStore
 
 CLIENT_STATE_RECORD = "client-state"
+NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 
 
 class FedSSL(Strategy):
@@ -82,6 +84,8 @@ class FedSSL(Strategy):
         self.round_records: dict[int, dict[str, Any]] = {}
         self._round_start: dict[int, float] = {}
         self._bytes_down: dict[int, int] = {}
+        self._sent: dict[int, list[Message]] = {}  # each round's messages, to name the clients that failed
+        self._foreign_nodes: set[int] = set()  # connected nodes that hold none of this experiment's clients
 
     def prepare(self, cfg, data, split) -> None:
         """Called by the ServerApp once before the first round with the experiment config, the data set and
@@ -115,6 +119,7 @@ class FedSSL(Strategy):
             messages.append(Message(content, dst_node_id=node, message_type=self.message_type,
                                     group_id=str(server_round)))
         self._bytes_down[server_round] = sum(self.payload_bytes(m.content) for m in messages)
+        self._sent[server_round] = messages
         log(INFO, "round %d: training on clients %s", server_round, chosen)
         return messages
 
@@ -128,6 +133,8 @@ class FedSSL(Strategy):
         while True:
             connected = set(grid.get_node_ids())
             available = [pid for pid, node in self.clients.items() if node in connected]
+            if len(available) < len(self.clients) and connected - set(self.clients.values()):
+                available = self.adopt_new_nodes(grid, connected, server_round)
             if len(available) >= self.min_available:
                 return available
             if time.monotonic() > deadline:
@@ -137,6 +144,21 @@ class FedSSL(Strategy):
                     server_round, len(available), self.min_available)
                 return available
             time.sleep(1.0)
+
+    def adopt_new_nodes(self, grid: Grid, connected: set[int], server_round: int) -> list[int]:
+        """A client whose node is gone may be back under a new node id (a SuperNode restarted without a
+        registered key): ask the unknown nodes which partition they hold and take them in."""
+        unknown = connected - set(self.clients.values()) - self._foreign_nodes
+        for info in query_partitions(grid, unknown, timeout=NODE_QUERY_TIMEOUT_S):
+            if info.error or info.partition_id not in self.clients or info.num_partitions != len(self.clients):
+                log(WARNING, "round %d: ignoring node %d (%s)", server_round, info.node_id,
+                    info.error or f"partition {info.partition_id} of {info.num_partitions}")
+                self._foreign_nodes.add(info.node_id)  # not one of this experiment's clients: ask once
+                continue
+            if self.clients[info.partition_id] not in connected:
+                log(INFO, "round %d: client %d is back on node %d", server_round, info.partition_id, info.node_id)
+                self.clients[info.partition_id] = info.node_id
+        return [pid for pid, node in self.clients.items() if node in connected]
 
     def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The global arrays every client of the round receives (hook for subclasses)."""
@@ -150,10 +172,9 @@ class FedSSL(Strategy):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         ok = [r for r in replies if not r.has_error()]
-        for r in replies:
-            if r.has_error():
-                log(WARNING, "round %d: client on node %s failed: %s", server_round, r.metadata.src_node_id,
-                    r.error.reason)
+        failed = self.failed_clients(server_round, replies)
+        for f in failed:
+            log(WARNING, "round %d: client %s failed: %s", server_round, f["id"], f["reason"])
         clients = [self.client_record(r) for r in ok]
         bytes_up = sum(self.payload_bytes(r.content) for r in ok)
         if self.server_store is not None:
@@ -171,13 +192,33 @@ class FedSSL(Strategy):
             "bytes_up": bytes_up,
             "bytes_down": self._bytes_down.get(server_round, 0),
             "num_clients": len(ok),
-            "num_failed": len(replies) - len(ok),
+            "num_failed": len(failed),
+            "failed_clients": failed,
             "num_examples": int(sum(c["num_examples"] for c in clients)),
             "client_train_s_max": max((c["train_s"] for c in clients), default=0.0),
             "clients": clients,
         }
         metrics = MetricRecord({"train_loss": loss, "num-examples": self.round_records[server_round]["num_examples"]})
         return aggregated, metrics
+
+    def failed_clients(self, server_round: int, replies: list[Message]) -> list[dict[str, Any]]:
+        """The clients of the round without a successful reply, with the reason: an error reply (a crashed
+        ClientApp, or "Node Unavailable" when a SuperNode stopped sending heartbeats) or no reply in time."""
+        sent = self._sent.pop(server_round, [])
+        pid_of_node = {node: pid for pid, node in self.clients.items()}
+        pid_of_message = {m.metadata.message_id: pid_of_node.get(m.metadata.dst_node_id)
+                          for m in sent if getattr(m.metadata, "message_id", "")}  # ids: set when pushed
+        answered = {int(r.content["metrics"]["partition-id"]) for r in replies if not r.has_error()}
+        failed: dict[Any, str] = {}
+        for r in replies:
+            if r.has_error():
+                pid = pid_of_message.get(r.metadata.reply_to_message_id)
+                failed[pid if pid is not None else f"node {r.metadata.src_node_id}"] = r.error.reason
+        for m in sent:
+            pid = pid_of_node.get(m.metadata.dst_node_id)
+            if pid is not None and pid not in answered and pid not in failed:
+                failed[pid] = "no reply before the round timeout (federation.round_timeout_s)"
+        return [{"id": pid, "reason": reason} for pid, reason in failed.items()]
 
     def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
         """The encoders the server scores: the global model (Min-Local scores every client's own)."""

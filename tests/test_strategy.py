@@ -161,3 +161,58 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
                                           for m in msgs2.values())
     # The server keeps these states on disk, not in memory.
     assert sorted(p.name for p in (tmp_path / "server-side").iterdir()) == ["client_0.npz", "client_1.npz"]
+
+
+class ReplyingGrid(FakeGrid):
+    """A grid that stamps message ids as Flower's does on push and answers query.info from a table."""
+
+    def __init__(self, nodes, partitions, num_partitions):
+        super().__init__(nodes)
+        self.partitions, self.num = partitions, num_partitions
+        self.queried = []
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for i, m in enumerate(messages):
+            m.metadata.__dict__["_message_id"] = f"q{len(self.queried)}-{i}"
+            node = m.metadata.dst_node_id
+            self.queried.append(node)
+            reply = Message(RecordDict({"metrics": MetricRecord({"partition-id": self.partitions[node],
+                                                                  "num-partitions": self.num}),
+                                        "info": ConfigRecord({"host": f"h{node}"})}), reply_to=m)
+            reply.metadata.__dict__["_src_node_id"] = node
+            replies.append(reply)
+        return replies
+
+
+def test_failed_clients_are_named_with_the_reason_or_the_missing_reply():
+    strategy = make_strategy(n=3, k=3)
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(),
+                                         FakeGrid([100, 101, 102])))
+    for i, m in enumerate(msgs):  # what the Grid does when it pushes them
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+    by_node = {m.metadata.dst_node_id: m for m in msgs}
+    ok = Message(RecordDict({"arrays": to_array_record({"w": np.ones(1, np.float32)}),
+                             "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0,
+                                                      "train_s": 1.0})}), reply_to=by_node[100])
+    unavailable = Message(Error(code=0, reason="Node Unavailable"), reply_to=by_node[102])
+    strategy.aggregate_train(1, [ok, unavailable])  # client 1 on node 101 never answered
+    rec = strategy.round_records[1]
+    assert rec["num_clients"] == 1 and rec["num_failed"] == 2
+    assert {f["id"]: f["reason"] for f in rec["failed_clients"]} == {
+        2: "Node Unavailable", 1: "no reply before the round timeout (federation.round_timeout_s)"}
+
+
+def test_a_client_back_under_a_new_node_id_is_taken_in():
+    strategy = make_strategy(n=2, k=2, node_wait_s=5.0)  # clients 0 -> node 100, 1 -> node 101
+    grid = ReplyingGrid([100, 205], partitions={100: 0, 205: 1}, num_partitions=2)
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [100, 205]
+    assert strategy.clients == {0: 100, 1: 205} and grid.queried == [205]
+
+
+def test_an_unknown_node_with_another_partition_count_is_ignored():
+    strategy = make_strategy(n=2, k=2, min_available=1, node_wait_s=0.0)
+    grid = ReplyingGrid([100, 205], partitions={100: 0, 205: 1}, num_partitions=5)
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(), grid))
+    assert [m.metadata.dst_node_id for m in msgs] == [100] and strategy.clients == {0: 100, 1: 101}

@@ -1,0 +1,288 @@
+"""Per-round overhead of a deployed federation against a simulated one, same config, same machine.
+
+Simulated: `flwr run .` on Flower's local simulation (Ray), as in the README's default command.
+Deployed: the README's by-hand deployment on loopback: a SuperLink and one SuperNode per client, TLS and
+SuperNode authentication on, made with docker/make-certs.sh and docker/make-supernode-key.sh. Two isolation
+modes: `subprocess` (the SuperLink and SuperNodes start the ServerApp/ClientApps themselves, the README's
+commands) and `process` (a separate SuperExec per SuperLink/SuperNode, the layout of the docker compose
+files).
+
+The round time is the ServerApp's own `wall_s` (from sending the round's messages to aggregating the
+replies, evaluation excluded); the overhead of a round is deployed minus simulated. Writes
+benchmarks/results/deployment.{json,md}.
+
+Usage: python benchmarks/bench_deployment.py --data /path/cifar10.npz [--rounds 4] [--isolation both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from flwr_harness import free_port, processes_with_env, read_jsonl  # noqa: E402
+from runs import run_experiment  # noqa: E402
+
+MARKER = "FEDSSL_BENCH_DEPLOYMENT"
+BIN = Path(sys.executable).parent
+
+
+def experiment(data: Path, rounds: int) -> dict:
+    raw = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    raw.update(name="bench-deployment", rounds=rounds)
+    raw["data"].update(path=str(data.resolve()))
+    raw["eval"].update(knn_every=0)  # evaluation is outside wall_s anyway; this keeps the run short
+    return raw
+
+
+def _exe(name: str) -> str:
+    return str(BIN / name) if (BIN / name).exists() else name
+
+
+class LoopbackDeployment:
+    """A SuperLink and SuperNodes on 127.0.0.1, TLS + SuperNode auth, each process in its own group."""
+
+    def __init__(self, tmp: Path, num_nodes: int, isolation: str, threads_per_node: int) -> None:
+        self.tmp, self.n, self.isolation = tmp, num_nodes, isolation
+        self.threads_per_node = threads_per_node
+        self.port = free_port()
+        self.secrets = tmp / "secrets"
+        self.env = {**os.environ, MARKER: str(os.getpid()), "FLWR_TELEMETRY_ENABLED": "0",
+                    "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                    "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.procs: list[subprocess.Popen] = []
+
+    def _start(self, name: str, argv: list[str], home: str, **env: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(argv, cwd=self.tmp, env={**self.env, "FLWR_HOME": str(self.tmp / home), **env},
+                                stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([_exe("flwr"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**self.env, "FLWR_HOME": str(self.tmp / "cli")})
+
+    def start(self) -> None:
+        sh = lambda *a: subprocess.run(["bash", *map(str, a)], check=True, capture_output=True)  # noqa: E731
+        sh(REPO / "docker" / "make-certs.sh", self.secrets, "localhost", "127.0.0.1")
+        tls = ["--ssl-ca-certfile", self.secrets / "ca.crt", "--ssl-certfile", self.secrets / "server.pem",
+               "--ssl-keyfile", self.secrets / "server.key"]
+        secret = ["--superexec-auth-secret-file", str(self.secrets / "superexec.secret")]
+        process = self.isolation == "process"
+        self._start("superlink", [_exe("flower-superlink"), *map(str, tls), "--enable-supernode-auth",
+                                  "--isolation", self.isolation, "--host", "127.0.0.1", "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation", *(secret if process else [])], "link")
+        if process:
+            self._start("superexec-serverapp", [_exe("flower-superexec"), "--runtime-api-address",
+                                                f"127.0.0.1:{self.port}", "--root-certificates",
+                                                str(self.secrets / "ca.crt"), *secret], "exec-server")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError((self.tmp / "superlink.log").read_text()[-2000:])
+                time.sleep(0.3)
+        (self.tmp / "cli").mkdir(exist_ok=True)
+        (self.tmp / "cli" / "config.toml").write_text(
+            f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{self.port}"\n'
+            f'root-certificates = "{self.secrets / "ca.crt"}"\n')
+        for i in range(self.n):
+            keys = self.tmp / f"node-{i}"
+            sh(REPO / "docker" / "make-supernode-key.sh", keys)
+            reg = self._cli("supernode", "register", str(keys / "supernode.key.pub"), "bench")
+            if reg.returncode != 0:
+                raise RuntimeError(reg.stdout + reg.stderr)
+            node_port = free_port()
+            node_secret = ["--superexec-auth-secret-file", str(keys / "superexec.secret")]
+            self._start(f"supernode-{i}", [
+                _exe("flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--root-certificates",
+                str(self.secrets / "ca.crt"), "--auth-supernode-private-key", str(keys / "supernode.key"),
+                "--isolation", self.isolation, "--port", str(node_port),
+                "--node-config", f"partition-id={i} num-partitions={self.n}", *(node_secret if process else [])],
+                f"node-{i}", **self.node_env())
+            if process:
+                self._start(f"superexec-clientapp-{i}", [_exe("flower-superexec"), "--insecure",
+                                                         "--runtime-api-address", f"127.0.0.1:{node_port}",
+                                                         *node_secret], f"exec-node-{i}", **self.node_env())
+
+    def node_env(self) -> dict[str, str]:
+        """The SuperNodes share this machine's cores: torch threads per ClientApp, so that they do not
+        oversubscribe them (the simulation runs one client at a time with every core)."""
+        return {"OMP_NUM_THREADS": str(self.threads_per_node)}
+
+    def run(self, config: Path, out: Path) -> subprocess.CompletedProcess:
+        return self._cli("run", str(REPO), "bench", "--stream", "--run-config",
+                         f"config='{config}' output-dir='{out}'")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        for pid in processes_with_env(MARKER, str(os.getpid())):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def deployed_run(raw: dict, isolation: str, threads_per_node: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
+        dep = LoopbackDeployment(tmp, raw["federation"]["num_clients"], isolation, threads_per_node)
+        try:
+            t0 = time.perf_counter()
+            dep.start()
+            started_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            proc = dep.run(tmp / "cfg.yaml", tmp / "out")
+            run_s = time.perf_counter() - t1
+        finally:
+            dep.stop()
+        if not (tmp / "out" / "summary.json").is_file():
+            raise RuntimeError(f"deployed run ({isolation}) failed:\n" + (proc.stdout + proc.stderr)[-3000:])
+        return {"summary": json.loads((tmp / "out" / "summary.json").read_text()),
+                "rounds": read_jsonl(tmp / "out" / "metrics.jsonl"), "run_s": run_s, "startup_s": started_s}
+
+
+def round_table(runs: dict[str, dict]) -> list[dict]:
+    sim = runs["simulation"]["rounds"]
+    rows = []
+    for i, r in enumerate(sim):
+        row = {"round": r["round"], "simulation_s": r["wall_s"], "simulation_train_s": r["client_train_s_max"]}
+        for mode, res in runs.items():
+            if mode == "simulation":
+                continue
+            d = res["rounds"][i]
+            row[f"{mode}_s"] = d["wall_s"]
+            row[f"{mode}_train_s"] = d["client_train_s_max"]
+            row[f"{mode}_overhead_s"] = d["wall_s"] - r["wall_s"]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--isolation", default="both", choices=("subprocess", "process", "both"))
+    ap.add_argument("--threads-per-node", type=int, default=0,
+                    help="OMP_NUM_THREADS of each SuperNode's ClientApps (default: CPU cores / clients)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "deployment"))
+    args = ap.parse_args(argv)
+    raw = experiment(args.data, args.rounds)
+    modes = ["subprocess", "process"] if args.isolation == "both" else [args.isolation]
+    threads = args.threads_per_node or max(1, (os.cpu_count() or 1) // raw["federation"]["num_clients"])
+
+    runs: dict[str, dict] = {}
+    print("simulation ...", flush=True)
+    runs["simulation"] = run_experiment(raw)
+    for mode in modes:
+        print(f"deployed, {mode} isolation ...", flush=True)
+        runs[f"deployed_{mode}"] = deployed_run(raw, mode, threads)
+
+    rows = round_table(runs)
+    warm = rows[1:] if len(rows) > 1 else rows
+    summary = {}
+    for mode in runs:
+        if mode == "simulation":
+            continue
+        summary[mode] = {
+            "first_round_overhead_s": rows[0][f"{mode}_overhead_s"],
+            "warm_round_overhead_s_mean": statistics.mean(r[f"{mode}_overhead_s"] for r in warm),
+            "warm_round_s_mean": statistics.mean(r[f"{mode}_s"] for r in warm),
+            "warm_round_ratio": statistics.mean(r[f"{mode}_s"] for r in warm)
+            / statistics.mean(r["simulation_s"] for r in warm),
+            "warm_train_s_mean": statistics.mean(r[f"{mode}_train_s"] for r in warm),
+            "run_s": runs[mode]["run_s"], "startup_s": runs[mode]["startup_s"],
+            # Same seeds and data; other torch thread counts change float rounding only.
+            "max_loss_difference": max(abs(a["train_loss"] - b["train_loss"])
+                                       for a, b in zip(runs[mode]["rounds"], runs["simulation"]["rounds"])),
+            "linear_probe_acc": runs[mode]["summary"]["linear_probe_acc"],
+        }
+    result = {
+        "command": f"python benchmarks/bench_deployment.py --data {args.data.name} --rounds {args.rounds} "
+                   f"--isolation {args.isolation}"
+                   + (f" --threads-per-node {args.threads_per_node}" if args.threads_per_node else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} CPU cores, no GPU" if not _has_cuda() else f"{os.cpu_count()} CPU cores + GPU",
+        "config": "configs/smoke.yaml (2 clients, 200 images each, ResNet-18 width 0.125, BYOL) with "
+                  f"rounds={args.rounds}, eval.knn_every=0",
+        "deployment": "loopback, TLS + SuperNode authentication, one SuperNode per client, "
+                      f"OMP_NUM_THREADS={threads} per SuperNode (the simulation: one client at a time, all cores)",
+        "simulation": {"warm_round_s_mean": statistics.mean(r["simulation_s"] for r in warm),
+                       "warm_train_s_mean": statistics.mean(r["simulation_train_s"] for r in warm),
+                       "run_s": runs["simulation"]["run_s"],
+                       "linear_probe_acc": runs["simulation"]["summary"]["linear_probe_acc"]},
+        "deployed": summary,
+        "rounds": rows,
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def render(r: dict) -> str:
+    modes = list(r["deployed"])
+    lines = [
+        "# Deployed vs simulated: per-round overhead", "",
+        f"Command: `{r['command']}` ({r['date']}, {r['machine']}).", "",
+        f"Config: {r['config']}. Deployment: {r['deployment']}.", "",
+        "Round time = the ServerApp's `wall_s` (send the round's messages -> aggregate the replies; evaluation "
+        "excluded). Overhead = deployed minus simulated round time. `train` = the slowest client's local "
+        "training time inside the round.", "",
+        "| round | simulation s (train) | " + " | ".join(f"{m} s (train) | {m} overhead s" for m in modes) + " |",
+        "|---|---|" + "---|---|" * len(modes),
+    ]
+    for row in r["rounds"]:
+        cells = [f"{row['round']}", f"{row['simulation_s']:.1f} ({row['simulation_train_s']:.1f})"]
+        for m in modes:
+            cells += [f"{row[f'{m}_s']:.1f} ({row[f'{m}_train_s']:.1f})", f"{row[f'{m}_overhead_s']:+.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| | warm round s (mean, rounds 2+) | warm overhead s | ratio | first-round overhead s | "
+                  "run s | max train-loss difference to simulation | linear probe |",
+              "|---|---|---|---|---|---|---|---|",
+              f"| simulation | {r['simulation']['warm_round_s_mean']:.1f} | - | 1.00 | - | "
+              f"{r['simulation']['run_s']:.0f} | - | {100 * r['simulation']['linear_probe_acc']:.1f}% |"]
+    for m, s in r["deployed"].items():
+        lines.append(f"| {m} | {s['warm_round_s_mean']:.1f} | {s['warm_round_overhead_s_mean']:+.1f} | "
+                     f"{s['warm_round_ratio']:.2f} | {s['first_round_overhead_s']:+.1f} | {s['run_s']:.0f} | "
+                     f"{s['max_loss_difference']:.4f} | {100 * s['linear_probe_acc']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
