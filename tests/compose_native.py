@@ -229,11 +229,11 @@ class NativeMachine:
     def start(self, service: str, log_dir: Path, extra_env: Mapping[str, str] | None = None,
               log_name: str | None = None) -> NativeService:
         spec = self.compose.services[service]
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+        env["FLWR_HOME"] = str(self.root / "flwr-home" / service)  # each container has its own
         env.update({str(k): str(v) for k, v in (spec.get("environment") or {}).items()})
         env.update(self.env)
         env.update(extra_env or {})
-        env.setdefault("FLWR_HOME", str(self.root / "flwr-home" / service))  # each container has its own
         argv = self.argv(service)
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns] + argv

@@ -8,8 +8,8 @@ machine, as a user's laptop would, and dials the SuperLink by name across the ve
 Checked: ``configs/smoke.yaml`` runs to the end and writes its results in the ServerApp's output folder; a
 SuperNode whose key is not registered is refused; a SuperNode killed during the run does not stop it (that
 round finishes with the client that answered, and the restarted node is back for the next round); the
-ClientApp's log says where its output went. Needs root; skipped with the reason where namespaces cannot be
-made.
+ClientApp's log says where its output went; a node with its own data (``data-path``) trains on it. Needs
+root; skipped with the reason where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for
@@ -99,10 +100,15 @@ class Deployment:
         self.machines["server"] = machine
         return machine
 
-    def client_machine(self, name: str, host: str, partition_id: int, secrets: Path) -> NativeMachine:
-        compose = load_compose([DOCKER_DIR / "client" / "compose.yml"], {
-            "SUPERLINK_ADDRESS": "superlink:8000", "PARTITION_ID": str(partition_id), "NUM_PARTITIONS": "2",
-            "SECRETS_DIR": str(secrets), "DATA_DIR": str(self.data_dir), "STATE_DIR": str(self.tmp / name / "state")})
+    def client_machine(self, name: str, host: str, partition_id: int, secrets: Path,
+                       own_data: Path | None = None) -> NativeMachine:
+        """A client machine; with ``own_data`` (a file there), the node trains on it instead of a partition."""
+        env = {"SUPERLINK_ADDRESS": "superlink:8000", "PARTITION_ID": str(partition_id), "NUM_PARTITIONS": "2",
+               "SECRETS_DIR": str(secrets), "DATA_DIR": str(own_data.parent if own_data else self.data_dir),
+               "STATE_DIR": str(self.tmp / name / "state")}
+        if own_data:
+            env["NODE_CONFIG"] = f"data-path='/data/{own_data.name}'"
+        compose = load_compose([DOCKER_DIR / "client" / "compose.yml"], env)
         # The "machines" share this machine's cores: one torch thread each keeps them from oversubscribing.
         machine = NativeMachine(compose, self.tmp / "roots" / name, netns=self.net.ns(host),
                                 env={**self.env, "OMP_NUM_THREADS": "1"})
@@ -129,6 +135,16 @@ class Deployment:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def write_own_data(path: Path, num_train: int) -> Path:
+    """A client site's own small data file (random images; only the training part is used)."""
+    rng = np.random.default_rng(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
+             y_train=rng.integers(0, 10, num_train), x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
+             y_test=rng.integers(0, 10, 20))
+    return path
 
 
 def reachable(net: Network, host: str, name: str, port: int) -> bool:
@@ -168,8 +184,10 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
         rogue_log = rogue.services["supernode"].log()
         assert proc.returncode != 0 and "Failed to activate SuperNode" in rogue_log, rogue_log[-2000:]
 
-        clients = {name: dep.client_machine(name, host, pid, secrets[name])
-                   for name, host, pid in (("client-1", "n1", 0), ("client-2", "n2", 1))}
+        # Client machine 2 trains on its own data (NODE_CONFIG data-path), not on a partition.
+        own = write_own_data(tmp_path / "site-2" / "site-2.npz", num_train=96)
+        clients = {"client-1": dep.client_machine("client-1", "n1", 0, secrets["client-1"]),
+                   "client-2": dep.client_machine("client-2", "n2", 1, secrets["client-2"], own_data=own)}
         for name, machine in clients.items():
             machine.start("supernode", dep.logs / name)
             machine.start("superexec-clientapp", dep.logs / name)
@@ -207,6 +225,8 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
         assert [f["id"] for f in rounds[1]["failed_clients"]] == [1], rounds[1]
         assert "1 clients ok, 1 failed (client 1:" in round2
         assert sorted(c["id"] for c in rounds[2]["clients"]) == [0, 1]  # the restarted node is back
+        own_examples = {c["id"]: c["num_examples"] for c in rounds[0]["clients"]}[1]
+        assert own_examples == 96, rounds[0]  # its own file's 96 images, not a partition of the data set
         assert f"results in {out}" in out_log  # the CLI's stream tells the user where they are
 
         # The ClientApp's log (its executor's, on each client machine) says where its output went.
@@ -215,6 +235,8 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
             text = "".join(p.read_text() for p in executor_log.glob("superexec-clientapp*.log"))
             state = (tmp_path / name / "state").resolve()
             assert f"client state in {state}" in text, text[-2000:]
+            if name == "client-2":
+                assert f"96 images from {dep.machines[name].root}/data/site-2.npz" in text, text[-2000:]
             assert list(state.glob("run-*/client_*.npz")), f"no client state under {state}"
     finally:
         if run is not None and run.poll() is None:
