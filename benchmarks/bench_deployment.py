@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from flwr_harness import free_port, processes_with_env, read_jsonl  # noqa: E402
+from compose_native import kill_group, wait_for  # noqa: E402
+from flwr_harness import free_port, kill_processes_with_env, read_jsonl  # noqa: E402
 from runs import run_experiment  # noqa: E402
 
 MARKER = "FEDSSL_BENCH_DEPLOYMENT"
@@ -74,6 +75,13 @@ class LoopbackDeployment:
         self.procs.append(proc)
         return proc
 
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
     def _cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([_exe("flwr"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                               env={**self.env, "FLWR_HOME": str(self.tmp / "cli")})
@@ -92,15 +100,10 @@ class LoopbackDeployment:
             self._start("superexec-serverapp", [_exe("flower-superexec"), "--runtime-api-address",
                                                 f"127.0.0.1:{self.port}", "--root-certificates",
                                                 str(self.secrets / "ca.crt"), *secret], "exec-server")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError((self.tmp / "superlink.log").read_text()[-2000:])
-                time.sleep(0.3)
+        try:
+            wait_for(self._listening, 60, "the SuperLink to listen")
+        except TimeoutError:
+            raise RuntimeError((self.tmp / "superlink.log").read_text()[-2000:]) from None
         (self.tmp / "cli").mkdir(exist_ok=True)
         (self.tmp / "cli" / "config.toml").write_text(
             f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{self.port}"\n'
@@ -135,16 +138,8 @@ class LoopbackDeployment:
 
     def stop(self) -> None:
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        for pid in processes_with_env(MARKER, str(os.getpid())):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(proc, signal.SIGKILL)
+        kill_processes_with_env(MARKER, str(os.getpid()))
 
 
 def deployed_run(raw: dict, isolation: str, threads_per_node: int) -> dict:

@@ -56,7 +56,12 @@ def processes_with_env(key: str, value: str) -> list[int]:
 
 
 def kill_flwr_home_processes(flwr_home: Path, grace_s: float = 5.0) -> None:
-    pids = processes_with_env("FLWR_HOME", str(flwr_home))
+    kill_processes_with_env("FLWR_HOME", str(flwr_home), grace_s)
+
+
+def kill_processes_with_env(key: str, value: str, grace_s: float = 5.0) -> None:
+    """TERM, then KILL, every process whose environment has ``key=value`` (what a test or benchmark started)."""
+    pids = processes_with_env(key, value)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for
-from flwr_harness import processes_with_env, read_jsonl
+from flwr_harness import kill_processes_with_env, read_jsonl
 from netns import Network, namespaces_unavailable
 
 pytestmark = pytest.mark.e2e
@@ -130,11 +130,7 @@ class Deployment:
     def teardown(self) -> None:
         for machine in self.machines.values():
             machine.stop_all()
-        for pid in processes_with_env(MARKER, self.net.tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_processes_with_env(MARKER, self.net.tag)
 
 
 def write_own_data(path: Path, num_train: int) -> Path:
