@@ -43,10 +43,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.encoders import build_backbone  # noqa: E402
+from ssl_models.networks import build_backbone  # noqa: E402
 from ssl_models.factory import split_state, state_to_numpy  # noqa: E402
 from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.similarity import (  # noqa: E402
+from ssl_models.federated.similarity import (  # noqa: E402
     DENSE_FP16,
     DENSE_FP32,
     TOPK,
@@ -56,7 +56,7 @@ from ssl_models.similarity import (  # noqa: E402
     payload_bytes,
     topk_count,
 )
-from strategies.records import from_array_record, to_array_record  # noqa: E402
+from fedssl_wire import from_array_record, to_array_record  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MIB = 2**20
@@ -221,7 +221,7 @@ def client_payload_case(n: int, mode: str, fraction: float | None, dim: int, thr
 
 # ------------------------------------------------------------------------------------------- report
 def formula_bytes(n: int, mode: str, fraction: float | None) -> int:
-    """Raw upload bytes from the transport table of ``ssl_models.similarity`` (checked against part 1)."""
+    """Raw upload bytes from the transport table of ``ssl_models.federated.similarity`` (checked against part 1)."""
     if mode == DENSE_FP32:
         return 4 * n * n
     if mode == DENSE_FP16:
@@ -256,7 +256,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             f"{label} N = {break_even_n(mode, fraction, model['raw_bytes']):,}"
             for label, mode, fraction in UPLOAD_FORMATS) + ". Dense uploads grow as N^2, top-k as k N with "
             "k = 0.1 N or 0.01 N, so also quadratically; the raw byte counts match the formula table of "
-            "`ssl_models/similarity.py` exactly, and Flower adds 134 to 269 bytes of headers and key names.")
+            "`ssl_models/federated/similarity.py` exactly, and Flower adds 134 to 269 bytes of headers and key names.")
     server = results.get("server_ensemble", [])
     if server:
         by_mode: dict[str, list[dict[str, Any]]] = {}

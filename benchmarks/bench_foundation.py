@@ -34,13 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from ssl_models.augment import SSLAugment  # noqa: E402
+from ssl_models.data.augment import SSLAugment  # noqa: E402
 from ssl_models.config import ExperimentConfig  # noqa: E402
-from ssl_models.data import load_npz, subsample  # noqa: E402
-from ssl_models.encoders import build_backbone  # noqa: E402
-from ssl_models.evaluation import evaluate_backbone  # noqa: E402
+from ssl_models.data.datasets import load_npz, subsample  # noqa: E402
+from ssl_models.networks import build_backbone  # noqa: E402
+from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
 from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.splits import client_images  # noqa: E402
+from ssl_models.data.splits import client_images  # noqa: E402
 from ssl_models.training import cpu_has_fast_bf16, train_ssl  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -12,17 +12,15 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ssl_models.config import ExperimentConfig
-from ssl_models.splits import public_images
+from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
-from strategies.records import from_array_record, to_array_record
-from strategies.state_store import DiskStateStore
+from fedssl_wire import (CLIENT_STATE_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, DiskStateStore, from_array_record,
+                         to_array_record)
 
 from .tasks import local_images, similarity_round, train_local_ssl
 
 app = ClientApp()
 
-LOCAL_STATE_KEY = "local-state"  # context.state key of the "memory" client-state mode
-CLIENT_STATE_RECORD = "client-state"  # message record of the "server" mode
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -49,7 +47,7 @@ def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.
         return from_array_record(record) if record is not None and len(record) else None
     if mode == "disk":
         return _disk_store(msg.content["config"], context).load(pid)
-    record = context.state.array_records.get(LOCAL_STATE_KEY)
+    record = context.state.array_records.get(MEMORY_STATE_KEY)
     return from_array_record(record) if record is not None else None
 
 
@@ -60,7 +58,7 @@ def keep_client_state(msg: Message, context: Context, pid: int, state: dict, rep
     elif mode == "disk":
         _disk_store(msg.content["config"], context).save(pid, state)
     else:
-        context.state[LOCAL_STATE_KEY] = to_array_record(state)
+        context.state[MEMORY_STATE_KEY] = to_array_record(state)
 
 
 @app.query("info")
@@ -152,7 +150,7 @@ def train_similarity(msg: Message, context: Context) -> Message:
         public_digest=str(config["public-digest"]), similarity=str(config["similarity"]),
         topk_fraction=float(config.get("topk-fraction", 0.0)) or None, log=r.log,
     )
-    reply = RecordDict({"similarity": to_array_record(result.payload),
+    reply = RecordDict({SIMILARITY_RECORD: to_array_record(result.payload),
                         "metrics": MetricRecord(train_metrics(r.partition_id, result.stats))})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)

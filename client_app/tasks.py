@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from ssl_models.config import ExperimentConfig
-from ssl_models.data import load_npz
+from ssl_models.data.datasets import load_npz
 from ssl_models.factory import build_ssl_model, load_partial_state, reset_target_from_online, split_state, \
     state_to_numpy
-from ssl_models.losses import proximal_term
-from ssl_models.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
-from ssl_models.similarity import client_similarity_payload, public_representations
-from ssl_models.splits import client_images, images_digest
+from ssl_models.methods.losses import proximal_term
+from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.similarity import client_similarity_payload, public_representations
+from ssl_models.data.splits import client_images, images_digest
 from ssl_models.training import TrainStats, resolve_device, train_ssl
 
 ONLINE_ENCODER = ("backbone.", "projector.")

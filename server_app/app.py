@@ -13,15 +13,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ssl_models.checkpoint import save_encoder_checkpoint
+from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.config import ConfigError, ExperimentConfig
-from ssl_models.evaluation import evaluate_backbone
+from ssl_models.evaluation.protocol import evaluate_backbone
 from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.splits import eval_subsets, federated_split, load_experiment_data
+from ssl_models.data.splits import eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
 from strategies.nodes import query_partitions
-from strategies.records import from_array_record, to_array_record
+from fedssl_wire import from_array_record, to_array_record
 
 from .experiment import load_experiment, output_dir_for
 from .results import ResultsWriter

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
-from ssl_models.encoders import available_backbones
+from ssl_models.networks import available_backbones
 from ssl_models.methods import method_default_options
 from strategies import get_strategy_class
 

@@ -112,7 +112,7 @@ class FederationConfig:
 
 @dataclass
 class EvalConfig:
-    """The fixed evaluation protocol (see ssl_models/evaluation.py)."""
+    """The fixed evaluation protocol (see ssl_models/evaluation/protocol.py)."""
 
     knn_every: int = 10  # rounds between kNN monitors; 0 disables; the last round is always measured
     knn_k: int = 200

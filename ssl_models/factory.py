@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .config import ExperimentConfig, validate_component_options
-from .encoders import build_backbone
+from ssl_models.networks import build_backbone
 from .methods import build_method, method_default_options
 
 

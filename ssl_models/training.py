@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from .augment import SSLAugment
+from ssl_models.data.augment import SSLAugment
 
 
 @dataclass

@@ -4,7 +4,7 @@ Server side it is FedBYOL: the online encoder and predictor are averaged weighte
 encoder stays on each client. The difference is on the client at download: instead of replacing its model
 by the global one, a client that trained in the previous round takes an EMA,
 W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1) (see client_app/tasks.py,
-``fedema_download``, and ssl_models/model_merge.py for the math). Each client's last model and lambda
+``fedema_download``, and ssl_models/federated/model_merge.py for the math). Each client's last model and lambda
 persist between rounds in its client state (on disk by default, so memory stays flat with many clients).
 """
 

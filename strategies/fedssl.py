@@ -23,10 +23,9 @@ from flwr.serverapp.strategy import Strategy
 from .aggregation import sample_clients, weighted_average, weighted_mean
 from .nodes import query_partitions
 from .options import check_choice
-from .records import from_array_record, record_bytes, to_array_record
-from .state_store import CLIENT_STATE_MODES, DiskStateStore
+from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, from_array_record,
+                         record_bytes, to_array_record)
 
-CLIENT_STATE_RECORD = "client-state"
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 
 
@@ -36,11 +35,11 @@ class FedSSL(Strategy):
     name = "fedssl"
     client_update = "fedssl"  # the ClientApp's download rule (client_app/tasks.py)
     supports_mixed_archs = False  # averaging weights needs one architecture
-    message_type = "train"  # the ClientApp handler that serves a training round
+    message_type = TRAIN_MESSAGE_TYPE  # the ClientApp handler that serves a training round
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
-        # client_state: where each client's state lives between rounds (strategies/state_store.py).
+        # client_state: where each client's state lives between rounds (fedssl_wire.py).
         return {"update_both": False, "client_state": "disk"}
 
     @classmethod

@@ -8,7 +8,7 @@ anchor keys with their public-set indices, KL to the renormalised ensemble rows)
 back to the clients whose encoder has the global architecture; the others keep their own weights, so a
 federation may mix encoders (``model.client_archs``).
 
-Math: ``ssl_models/similarity.py`` (ensemble, top-n% transport) and ``ssl_models/distillation.py``.
+Math: ``ssl_models/federated/similarity.py`` (ensemble, top-n% transport) and ``ssl_models/federated/distillation.py``.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 
-from ssl_models.distillation import build_key_encoder, distill
+from ssl_models.federated.distillation import build_key_encoder, distill
 from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.similarity import ENCODING_MODES, TOPK, ensemble_similarity
-from ssl_models.splits import images_digest, public_images
+from ssl_models.federated.similarity import ENCODING_MODES, TOPK, ensemble_similarity
+from ssl_models.data.splits import images_digest, public_images
 from ssl_models.training import resolve_device
 
 from .options import check_choice, check_positive, check_unit
 from .fedssl import FedSSL
-from .records import from_array_record, to_array_record
+from fedssl_wire import SIMILARITY_MESSAGE_TYPE, SIMILARITY_RECORD, from_array_record, to_array_record
 
-SIMILARITY_RECORD = "similarity"
 PUBLIC_SOURCES = ("split", "client0")
 SPARSIFY = ("paper", "code")
 
@@ -39,7 +38,7 @@ class FLESD(FedSSL):
     name = "flesd"
     client_update = "fedssl"  # a client of the global architecture takes the distilled model as it is
     supports_mixed_archs = True
-    message_type = "train.similarity"
+    message_type = SIMILARITY_MESSAGE_TYPE
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:

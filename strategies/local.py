@@ -10,8 +10,7 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 
 from .fedssl import FedSSL
-from .records import from_array_record, to_array_record
-from .state_store import DiskStateStore
+from fedssl_wire import DiskStateStore, from_array_record, to_array_record
 
 
 class Local(FedSSL):

@@ -13,7 +13,8 @@ from typing import Iterable
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-INFO_MESSAGE_TYPE = "query.info"  # served by client_app.app.info
+from fedssl_wire import INFO_MESSAGE_TYPE
+
 
 
 @dataclass(frozen=True)

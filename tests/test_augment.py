@@ -1,4 +1,4 @@
-"""Tests for ssl_models.augment: batched, per-sample-random SSL views matching torchvision's recipe."""
+"""Tests for ssl_models.data.augment: batched, per-sample-random SSL views matching torchvision's recipe."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchvision.transforms.v2 as v2
 import torchvision.transforms.v2.functional as TF
 
-from ssl_models.augment import (
+from ssl_models.data.augment import (
     SSLAugment,
     adjust_brightness,
     adjust_contrast,
@@ -25,7 +25,7 @@ from ssl_models.augment import (
     sample_crop_boxes,
     to_float_nchw,
 )
-from ssl_models.data import synthetic_dataset
+from ssl_models.data.datasets import synthetic_dataset
 
 IDENTITY_KW = dict(crop_scale=(1.0, 1.0), jitter_p=0.0, grayscale_p=0.0, flip_p=0.0)
 

@@ -5,12 +5,13 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client_app.app import LOCAL_STATE_KEY, app
+from client_app.app import app
+from fedssl_wire import MEMORY_STATE_KEY
 from client_app.tasks import train_local_ssl
 from ssl_models.config import ExperimentConfig
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
-from ssl_models.splits import client_images
-from strategies.records import from_array_record, to_array_record
+from ssl_models.data.splits import client_images
+from fedssl_wire import from_array_record, to_array_record
 
 TINY = {
     "rounds": 2,
@@ -93,7 +94,7 @@ def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
         assert m["partition-id"] == 1 and m["num-examples"] == len(client_images(cfg, 1))
         assert np.isfinite(m["train_loss"]) and m["train_s"] > 0
         assert set(from_array_record(reply.content["arrays"])) == set(g)
-        local = from_array_record(ctx.state.array_records[LOCAL_STATE_KEY])
+        local = from_array_record(ctx.state.array_records[MEMORY_STATE_KEY])
         assert int(local.pop("meta.last_round")[0]) == rnd
         assert local and all(k.startswith("target_") for k in local)
 

@@ -1,4 +1,4 @@
-"""Tests for ssl_models.data: .npz / torchvision loaders, synthetic data, stratified subsampling."""
+"""Tests for ssl_models.data.datasets: .npz / torchvision loaders, synthetic data, stratified subsampling."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ssl_models import data
-from ssl_models.data import ImageData, load_dataset, load_npz, load_torchvision, subsample, synthetic_dataset
+from ssl_models.data import datasets as data
+from ssl_models.data.datasets import ImageData, load_dataset, load_npz, load_torchvision, subsample, synthetic_dataset
 
 
 def write_npz(path: Path, **overrides: np.ndarray) -> Path:

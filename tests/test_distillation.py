@@ -10,16 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssl_models.distillation import (
+from ssl_models.federated.distillation import (
     IndexedQueue,
     build_key_encoder,
     distill,
     similarity_distillation_loss,
     warmup_iterations,
 )
-from ssl_models.encoders import build_backbone
+from ssl_models.networks import build_backbone
 from ssl_models.methods import build_method
-from ssl_models.similarity import ensemble_similarity, similarity_matrix
+from ssl_models.federated.similarity import ensemble_similarity, similarity_matrix
 
 
 # ---------------------------------------------------------------------------------------------- queue

@@ -48,7 +48,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
         pytest.skip("fedssl-eval part needs the CIFAR-10 dev npz")
     feats = tmp_path / "feats.npz"
     script = Path(sys.executable).parent / "fedssl-eval"  # the installed console script
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.eval_cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.evaluation.cli"]
     ev = subprocess.run(cmd + [str(out / "model.pt"), str(npz),
                          "--max-train", "500", "--max-test", "200", "--probe-epochs", "5",
                          "--export-features", str(feats)], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.encoders import (
-    BasicBlock,
-    Bottleneck,
-    available_backbones,
-    build_backbone,
-    scaled_widths,
-)
+from ssl_models.networks import available_backbones, build_backbone
+from ssl_models.networks.resnet import BasicBlock, Bottleneck, scaled_widths
 
 
 def test_resnet18_full_width_has_the_reference_parameter_count() -> None:

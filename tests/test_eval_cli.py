@@ -1,4 +1,4 @@
-"""Tests of encoder checkpoints (ssl_models.checkpoint) and the ``fedssl-eval`` CLI (ssl_models.eval_cli)."""
+"""Tests of encoder checkpoints (ssl_models.evaluation.checkpoint) and the ``fedssl-eval`` CLI (ssl_models.evaluation.cli)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from ssl_models.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_encoder_checkpoint, save_encoder_checkpoint
-from ssl_models.data import synthetic_dataset
-from ssl_models.encoders import build_backbone
-from ssl_models.eval_cli import main
-from ssl_models.evaluation import evaluate_backbone
+from ssl_models.evaluation.checkpoint import CHECKPOINT_FORMAT, CheckpointError, load_encoder_checkpoint, save_encoder_checkpoint
+from ssl_models.data.datasets import synthetic_dataset
+from ssl_models.networks import build_backbone
+from ssl_models.evaluation.cli import main
+from ssl_models.evaluation.protocol import evaluate_backbone
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH, WIDTH = "resnet18", 0.125
@@ -215,7 +215,7 @@ def test_cli_cuda_without_gpu_is_a_usage_error(capsys, checkpoint_path, data_pat
 
 def test_cli_as_a_process_keeps_stdout_to_the_json_line(checkpoint_path, data_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "ssl_models.eval_cli", str(checkpoint_path), str(data_path), "--no-linear",
+        [sys.executable, "-m", "ssl_models.evaluation.cli", str(checkpoint_path), str(data_path), "--no-linear",
          "--max-train", "30", "--max-test", "12"],
         cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
     )

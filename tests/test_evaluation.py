@@ -1,4 +1,4 @@
-"""Tests of the fixed evaluation protocol (ssl_models.evaluation): features, weighted kNN, linear probe."""
+"""Tests of the fixed evaluation protocol (ssl_models.evaluation.protocol): features, weighted kNN, linear probe."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.data import synthetic_dataset
-from ssl_models.encoders import build_backbone
-from ssl_models.evaluation import (
+from ssl_models.data.datasets import synthetic_dataset
+from ssl_models.networks import build_backbone
+from ssl_models.evaluation.protocol import (
     DEFAULT_PROTOCOL,
     evaluate_backbone,
     extract_features,

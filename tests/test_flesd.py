@@ -9,13 +9,13 @@ from flwr.supercore.task_identity import TaskIdentity
 from client_app.tasks import PublicSetMismatch, similarity_round, train_local_ssl
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
-from ssl_models.data import load_dataset
+from ssl_models.data.datasets import load_dataset
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
-from ssl_models.losses import proximal_term
-from ssl_models.similarity import decode_similarity, topk_count
-from ssl_models.splits import client_images, federated_split, images_digest, public_images
+from ssl_models.methods.losses import proximal_term
+from ssl_models.federated.similarity import decode_similarity, topk_count
+from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
 from strategies import FLESD, FedProx, Local
-from strategies.records import from_array_record, to_array_record
+from fedssl_wire import from_array_record, to_array_record
 
 TINY = {
     "rounds": 2,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ssl_models.losses import (
+from ssl_models.methods.losses import (
     byol_regression_loss,
     info_nce_loss,
     negative_cosine_similarity,

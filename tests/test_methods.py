@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.encoders import build_backbone
+from ssl_models.networks import build_backbone
 from ssl_models.methods import METHODS, SSLMethod, build_method, method_default_options
 from ssl_models.methods.byol import BYOL
 from ssl_models.methods.moco import MoCo
-from ssl_models.momentum import copy_as_target, ema_update_
+from ssl_models.networks.momentum import copy_as_target, ema_update_
 
 SMALL_HEADS: dict[str, dict[str, Any]] = {
     "simclr": {"proj_hidden_dim": 64, "proj_out_dim": 32},

@@ -1,11 +1,11 @@
-"""Tests for ssl_models.partition: disjoint, covering, deterministic client splits."""
+"""Tests for ssl_models.data.partition: disjoint, covering, deterministic client splits."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ssl_models.partition import (
+from ssl_models.data.partition import (
     dirichlet_partition,
     iid_partition,
     partition_indices,

@@ -1,4 +1,4 @@
-"""Tests of the semi-supervised evaluation (ssl_models.evaluation protocol step 5) and its fedssl-eval flags."""
+"""Tests of the semi-supervised evaluation (ssl_models.evaluation.protocol protocol step 5) and its fedssl-eval flags."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.checkpoint import save_encoder_checkpoint
-from ssl_models.data import synthetic_dataset
-from ssl_models.encoders import build_backbone
-from ssl_models.eval_cli import main
-from ssl_models.evaluation import (
+from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
+from ssl_models.data.datasets import synthetic_dataset
+from ssl_models.networks import build_backbone
+from ssl_models.evaluation.cli import main
+from ssl_models.evaluation.protocol import (
     build_mlp_head,
     class_balanced_label_subset,
     extract_features,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssl_models.similarity import (
+from ssl_models.federated.similarity import (
     decode_similarity,
     distillation_targets,
     encode_similarity,
@@ -270,7 +270,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     """
     import sys, time
     import torch
-    from ssl_models.similarity import ensemble_similarity, pack_topk, payload_bytes, similarity_topk
+    from ssl_models.federated.similarity import ensemble_similarity, pack_topk, payload_bytes, similarity_topk
 
     def status_bytes(key):
         with open("/proc/self/status") as fh:

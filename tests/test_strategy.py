@@ -7,7 +7,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from strategies import FedSSL, get_strategy_class
 from strategies.aggregation import sample_clients, weighted_average, weighted_mean
-from strategies.records import from_array_record, to_array_record
+from fedssl_wire import from_array_record, to_array_record
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ssl_models.momentum import copy_as_target, ema_update_
+from ssl_models.networks.momentum import copy_as_target, ema_update_
 
 ONLINE_PREFIXES: tuple[str, ...] = ("backbone.", "projector.")
 PREDICTOR_PREFIX = "predictor."

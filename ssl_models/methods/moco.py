@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_models.heads import MLPHead
-from ssl_models.losses import info_nce_loss
+from ssl_models.networks.heads import MLPHead
+from ssl_models.methods.losses import info_nce_loss
 from ssl_models.methods.base import SSLMethod, check_bool, check_momentum, check_positive
 
 VERSION_TEMPERATURES: dict[int, float] = {1: 0.07, 2: 0.2}

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssl_models.heads import MLPHead
-from ssl_models.losses import negative_cosine_similarity
+from ssl_models.networks.heads import MLPHead
+from ssl_models.methods.losses import negative_cosine_similarity
 from ssl_models.methods.base import SSLMethod, check_bool
 
 

@@ -57,7 +57,7 @@ def _sorted_int64(indices: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
-# Stratified sampling (shared with ``ssl_models.data.subsample``)
+# Stratified sampling (shared with ``ssl_models.data.datasets.subsample``)
 # --------------------------------------------------------------------------------------------------
 
 

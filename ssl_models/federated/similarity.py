@@ -3,7 +3,7 @@
 FLESD (Federated Learning via Ensemble Similarity Distillation) clients upload, instead of weights, the
 similarity matrix ``M = z z^T`` of their L2-normalised representations of a shared public set (N images).
 The server turns every client matrix into unnormalised "probabilities" ``exp((M - rowmax) / tau_T)``,
-averages them over clients and distils the average into the global model (see ``ssl_models.distillation``).
+averages them over clients and distils the average into the global model (see ``ssl_models.federated.distillation``).
 
 Sparsification keeps the top-n% entries of each row plus the image itself:
 ``k = topk_count(N, fraction) = min(N, floor(fraction * N) + 1)`` (the official code's
@@ -406,7 +406,7 @@ def public_representations(method: torch.nn.Module, images_uint8_nhwc: np.ndarra
                            batch_size: int = 512) -> torch.Tensor:
     """Projector outputs ``projector(backbone(x))`` of the public images, eval mode, no augmentation, float32 on
     the CPU (FLESD's representations: the contrastive head's output). The module's modes are restored."""
-    from .augment import to_float_nchw
+    from ssl_models.data.augment import to_float_nchw
 
     modes = {m: m.training for m in method.modules()}
     method.eval()

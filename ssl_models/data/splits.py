@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ExperimentConfig
-from .data import ImageData, load_dataset, subsample
-from .partition import partition_indices, public_split
+from ssl_models.config import ExperimentConfig
+from ssl_models.data.datasets import ImageData, load_dataset, subsample
+from ssl_models.data.partition import partition_indices, public_split
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class FederatedSplit:
 
 
 def load_experiment_data(cfg: ExperimentConfig, path: str | None = None) -> ImageData:
-    """The experiment's data set (files are cached by ``ssl_models.data``). ``path`` overrides data.path."""
+    """The experiment's data set (files are cached by ``ssl_models.data.datasets``). ``path`` overrides data.path."""
     d = cfg.data
     return load_dataset(d.dataset, path=(path or d.path or None), download=d.download, seed=cfg.seed,
                         synthetic_sizes=(d.synthetic_train, d.synthetic_test, d.synthetic_classes))

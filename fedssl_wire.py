@@ -1,6 +1,10 @@
-"""Per-client state that survives between rounds, kept where memory stays flat.
+"""What the ServerApp and the ClientApp agree on: one module both sides import.
 
-A client state is a flat mapping of names to NumPy arrays (model entries such as ``target_backbone.*`` plus
+- the names of message types, records and config keys that travel in messages;
+- the encoding of named NumPy arrays as Flower ``ArrayRecord``s, and their byte count;
+- where a client keeps its state between rounds (``client_state`` modes and the on-disk store).
+
+Per-client state is a flat mapping of names to NumPy arrays (model entries such as ``target_backbone.*`` plus
 scalars under ``meta.*``). Three places can hold it, chosen by the strategy option ``client_state``:
 
 - ``disk`` (default): one ``.npz`` file per client in a state directory on the client's machine; only the
@@ -16,14 +20,43 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+from flwr.app import Array, ArrayRecord
+
+# ---------------------------------------------------------------------- names on the wire
+INFO_MESSAGE_TYPE = "query.info"  # which partition a node holds
+TRAIN_MESSAGE_TYPE = "train"  # a local round that uploads weights
+SIMILARITY_MESSAGE_TYPE = "train.similarity"  # FLESD: a local round that uploads a similarity matrix
+
+ARRAYS_RECORD = "arrays"  # model weights, both ways
+CONFIG_RECORD = "config"  # the round's settings, down
+METRICS_RECORD = "metrics"  # the client's figures, up
+CLIENT_STATE_RECORD = "client-state"  # a client's own state in "server" client-state mode, both ways
+SIMILARITY_RECORD = "similarity"  # FLESD's similarity matrix, up
 
 CLIENT_STATE_MODES = ("disk", "memory", "server")
+MEMORY_STATE_KEY = "local-state"  # context.state key of the "memory" client-state mode
 
 
+# ---------------------------------------------------------------------- array records
+def to_array_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
+
+
+def from_array_record(record: ArrayRecord) -> OrderedDict:
+    return OrderedDict((key, record[key].numpy()) for key in record.keys())
+
+
+def record_bytes(record: ArrayRecord) -> int:
+    """Payload bytes of an ArrayRecord as sent (array data plus its small per-array header)."""
+    return int(record.count_bytes())
+
+
+# ---------------------------------------------------------------------- client state on disk
 class DiskStateStore:
     """One uncompressed ``.npz`` per client under ``root``; writes are atomic (temp file + rename)."""
 

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_models.augment import to_float_nchw
+from ssl_models.data.augment import to_float_nchw
 
 # Protocol constants (see the module docstring). Kept in one mapping so CLIs and logs can record them.
 DEFAULT_PROTOCOL: Mapping[str, Any] = {

@@ -12,7 +12,7 @@ and scored on ``x_test``/``y_test``. Exactly one JSON line goes to stdout so the
 appended to a results file; progress goes to stderr. Errors in the inputs (missing files, a file that is not
 an encoder checkpoint, a malformed ``.npz``) print one message to stderr and exit with status 2.
 
-The protocol is described in :mod:`ssl_models.evaluation`. New evaluation modes are added as further flags
+The protocol is described in :mod:`ssl_models.evaluation.protocol`. New evaluation modes are added as further flags
 rather than subcommands. ``--semi-supervised`` adds the FedEMA/EasyFL semi-supervised score (protocol step 5):
 for every listed label fraction, an MLP head (with the encoder in ``finetune`` mode, alone in ``head`` mode)
 is trained on that class-balanced fraction of the (possibly ``--max-train``-subsampled) train split, and the
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssl_models.checkpoint import load_encoder_checkpoint
-from ssl_models.data import ImageData, load_npz, subsample
-from ssl_models.evaluation import (
+from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
+from ssl_models.data.datasets import ImageData, load_npz, subsample
+from ssl_models.evaluation.protocol import (
     DEFAULT_PROTOCOL,
     SEMI_SUPERVISED_MODES,
     SEMI_SUPERVISED_PROTOCOL,
@@ -151,7 +151,7 @@ def _load_model(path: str, device: torch.device) -> tuple[torch.nn.Module, dict[
 def _subsample_split(
     images: np.ndarray, labels: np.ndarray, limit: int | None, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Class-stratified, seeded subsample (``ssl_models.data.subsample``); everything when ``limit`` is None."""
+    """Class-stratified, seeded subsample (``ssl_models.data.datasets.subsample``); everything when ``limit`` is None."""
     index = subsample(labels, limit, seed=seed)
     if len(index) == len(labels):
         return images, labels

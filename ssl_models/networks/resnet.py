@@ -149,19 +149,14 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(layer.bias)
 
 
-def available_backbones() -> list[str]:
-    """Names accepted by :func:`build_backbone`."""
-    return sorted(ARCHITECTURES)
-
-
-def build_backbone(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
+def build_resnet(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
     """Build a CIFAR ResNet trunk and return ``(module, feature_dim)``.
 
     ``module(x)`` maps float NCHW images to ``(N, feature_dim)`` features. ``feature_dim`` is read from the
     built layers (512*width for ResNet-18/34, 2048*width for ResNet-50, up to rounding).
     """
     if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {available_backbones()}, got {arch!r}")
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     block, blocks_per_stage = ARCHITECTURES[arch]
     model = CifarResNet(block, blocks_per_stage, scaled_widths(width))
     _init_weights(model)

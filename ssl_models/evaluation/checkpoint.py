@@ -6,7 +6,7 @@ with ``torch.load(weights_only=True)`` (no arbitrary pickle code runs when a dow
     {"format": "fedssl-encoder/1", "arch": "resnet18", "width": 1.0, "feature_dim": 512,
      "state_dict": {name: tensor, ...}, "extra": {...}}
 
-The backbone is rebuilt with ``ssl_models.encoders.build_backbone(arch, width)`` and loaded strictly, so a file
+The backbone is rebuilt with ``ssl_models.networks.build_backbone(arch, width)`` and loaded strictly, so a file
 whose weights do not match its declared architecture is rejected instead of silently half-loaded.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ssl_models.encoders import build_backbone
+from ssl_models.networks import build_backbone
 
 CHECKPOINT_FORMAT = "fedssl-encoder/1"
 _REQUIRED_KEYS = ("format", "arch", "width", "feature_dim", "state_dict")

@@ -1,7 +1,7 @@
 """Image data sets for federated SSL: loaders, a synthetic data set, and stratified subsampling.
 
 Everything here returns NHWC ``uint8`` image arrays and ``int64`` label arrays (the project-wide
-convention); conversion to float NCHW happens on the training device (see ``ssl_models.augment``).
+convention); conversion to float NCHW happens on the training device (see ``ssl_models.data.augment``).
 
 Sources:
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_models.partition import stratified_choice
+from ssl_models.data.partition import stratified_choice
 
 DATASET_NAMES = ("cifar10", "cifar100", "stl10", "npz", "synthetic")
 TORCHVISION_DATASETS = {"cifar10": 10, "cifar100": 100, "stl10": 10}

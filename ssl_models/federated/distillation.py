@@ -8,7 +8,7 @@ The distillation is MoCo with soft labels (FLESD, built on the MoCo v2 code):
 - a FIFO queue keeps the K most recent L2-normalised keys together with their public-set indices;
 - each batch's keys are enqueued *before* the logits are computed, so every query's own key is in the queue;
 - logits ``q . queue^T / T`` are trained with soft cross-entropy against the ensemble row of the query,
-  restricted to the queue's images and renormalised (``ssl_models.similarity.distillation_targets``);
+  restricted to the queue's images and renormalised (``ssl_models.federated.similarity.distillation_targets``);
 - the first ``ceil(K / B)`` iterations only fill the queue (no loss, no optimizer step), as the official
   code's ``if i < K // bs: continue``.
 
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .augment import SSLAugment
-from .momentum import copy_as_target, ema_update_
-from .similarity import distillation_targets
-from .training import fast_path_for, optimizer_step
+from ssl_models.data.augment import SSLAugment
+from ssl_models.networks.momentum import copy_as_target, ema_update_
+from ssl_models.federated.similarity import distillation_targets
+from ssl_models.training import fast_path_for, optimizer_step
 
 
 # ------------------------------------------------------------------------------------------- queue
@@ -80,7 +80,7 @@ def similarity_distillation_loss(
     ``student_q`` (B, dim) is L2-normalised here; ``queue_keys`` (dim, K) are expected normalised already
     (``IndexedQueue`` stores them so); ``target_probs`` (B, K) rows sum to 1. Equal to
     ``KL(p || softmax) + H(p)``: the entropy of the fixed targets shifts the value, never the gradient, so
-    the minimum is H(p), not 0. Computed in float32 with autocast off (as ``ssl_models.losses``).
+    the minimum is H(p), not 0. Computed in float32 with autocast off (as ``ssl_models.methods.losses``).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature!r}")

@@ -1,0 +1,2 @@
+"""Evaluation of frozen encoders: the fixed kNN / linear-probe / semi-supervised protocol (protocol),
+encoder checkpoints (checkpoint) and the ``fedssl-eval`` command line (cli)."""
