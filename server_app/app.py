@@ -20,6 +20,7 @@ from ssl_models.factory import build_ssl_model, load_partial_state, split_state,
 from ssl_models.data.splits import eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
+from strategies.fedssl import ModelToEvaluate
 from strategies.nodes import query_partitions
 from fedssl_wire import from_array_record, to_array_record
 
@@ -79,23 +80,27 @@ class ServerEvaluator:
         self.x_train, self.y_train = data.x_train[train_idx], data.y_train[train_idx]
         self.x_test, self.y_test = data.x_test[test_idx], data.y_test[test_idx]
         self.num_classes = data.num_classes
-        self.model = build_ssl_model(cfg, seed=cfg.seed)
+        self.models: dict[str, torch.nn.Module] = {}  # one SSL model per architecture, reused
 
-    def load(self, arrays: ArrayRecord) -> torch.nn.Module:
-        load_partial_state(self.model, from_array_record(arrays))
-        return self.model.backbone
+    def load(self, model: ModelToEvaluate) -> torch.nn.Module:
+        """The backbone of ``model`` (its architecture rebuilt once, its state loaded)."""
+        if model.arch not in self.models:
+            self.models[model.arch] = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=model.arch)
+        ssl_model = self.models[model.arch]
+        load_partial_state(ssl_model, from_array_record(model.arrays))
+        return ssl_model.backbone
 
-    def evaluate(self, arrays: ArrayRecord, *, knn: bool, linear: bool) -> dict[str, Any]:
+    def evaluate(self, model: ModelToEvaluate, *, knn: bool, linear: bool) -> dict[str, Any]:
         e = self.cfg.eval
-        return evaluate_backbone(self.load(arrays), self.x_train, self.y_train, self.x_test, self.y_test,
+        return evaluate_backbone(self.load(model), self.x_train, self.y_train, self.x_test, self.y_test,
                                  self.num_classes, device=self.device, knn=knn, linear=linear, knn_k=e.knn_k,
                                  knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
 
-    def evaluate_models(self, models: dict[str, ArrayRecord], *, knn: bool, linear: bool
+    def evaluate_models(self, models: dict[str, ModelToEvaluate], *, knn: bool, linear: bool
                         ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Scores of one or several encoders. With several (Min-Local: every client's own), the headline
         scores are the minimum over them, and each model's scores are returned too."""
-        by_model = {name: self.evaluate(arrays, knn=knn, linear=linear) for name, arrays in models.items()}
+        by_model = {name: self.evaluate(model, knn=knn, linear=linear) for name, model in models.items()}
         if len(by_model) == 1:
             return next(iter(by_model.values())), {}
         headline = dict(next(iter(by_model.values())))
@@ -199,9 +204,9 @@ def main(grid: Grid, context: Context) -> None:
     final = result.arrays if result.arrays is not None and len(result.arrays) else initial
 
     models = strategy.models_to_evaluate(final)
-    for name, arrays in models.items():  # model.pt, or model_client_<i>.pt for each client's own encoder
+    for name, model in models.items():  # model.pt, or model_client_<i>.pt for each client's own encoder
         path = writer.model_path if len(models) == 1 else writer.out_dir / f"model_{name}.pt"
-        save_encoder_checkpoint(path, evaluator.load(arrays), cfg.model.arch, cfg.model.width,
+        save_encoder_checkpoint(path, evaluator.load(model), model.arch, cfg.model.width,
                                 extra={"method": cfg.method.name, "strategy": cfg.strategy.name, "model": name,
                                        "rounds": len(writer.records), "experiment": cfg.name})
     say("final evaluation (kNN + linear probe) ...")

@@ -12,6 +12,7 @@ lives in ``strategies.aggregation``; the training in the ClientApp.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, Callable, Iterable
 
@@ -27,6 +28,14 @@ from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_
                          record_bytes, to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
+
+
+@dataclass(frozen=True)
+class ModelToEvaluate:
+    """One encoder the server scores: its architecture (to rebuild it) and its exchanged state."""
+
+    arch: str
+    arrays: ArrayRecord
 
 
 class FedSSL(Strategy):
@@ -88,7 +97,8 @@ class FedSSL(Strategy):
 
     def prepare(self, cfg, data, split) -> None:
         """Called by the ServerApp once before the first round with the experiment config, the data set and
-        its federated split (hook for strategies that train on the server)."""
+        its federated split (subclasses that train on the server extend it; call super first)."""
+        self.cfg = cfg
 
     # ------------------------------------------------------------------ what is exchanged
     def exchange_prefixes(self, method) -> tuple[str, ...]:
@@ -219,9 +229,9 @@ class FedSSL(Strategy):
                 failed[pid] = "no reply before the round timeout (federation.round_timeout_s)"
         return [{"id": pid, "reason": reason} for pid, reason in failed.items()]
 
-    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
-        """The encoders the server scores: the global model (Min-Local scores every client's own)."""
-        return {"global": arrays}
+    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
+        """The encoders the server scores, by name: the global model (Min-Local scores every client's own)."""
+        return {"global": ModelToEvaluate(self.cfg.model.arch, arrays)}
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
         """The new global arrays from the successful replies: the example-weighted average."""

@@ -77,7 +77,7 @@ class FLESD(FedSSL):
         check_unit(options, "distill_momentum")
 
     def prepare(self, cfg, data, split) -> None:
-        self.cfg = cfg
+        super().prepare(cfg, data, split)
         self.public = public_images(cfg, data, self.options["public_source"])
         self.public_digest = images_digest(self.public)
         self.device = resolve_device(cfg.train.device)

@@ -9,7 +9,7 @@ from typing import Any
 
 from flwr.app import ArrayRecord, Message
 
-from .fedssl import FedSSL
+from .fedssl import FedSSL, ModelToEvaluate
 from fedssl_wire import DiskStateStore, from_array_record, to_array_record
 
 
@@ -34,10 +34,10 @@ class Local(FedSSL):
             self.models.save(client["id"], from_array_record(reply.content["arrays"]))
         return None  # no aggregation: there is no global model
 
-    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
+    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
         out = {}
         for pid in sorted(self.clients):
             state = self.models.load(pid)
             if state is not None:
-                out[f"client_{pid}"] = to_array_record(state)
+                out[f"client_{pid}"] = ModelToEvaluate(self.cfg.client_arch(pid), to_array_record(state))
         return out or super().models_to_evaluate(arrays)

@@ -161,7 +161,9 @@ def test_min_local_sends_the_initial_model_once_and_never_aggregates(tmp_path, i
                                                           "train_s": 0.1})}))
     arrays, _ = strategy.aggregate_train(1, [rep])
     assert arrays is None
+    strategy.prepare(ExperimentConfig.from_dict({"model": {"arch": "resnet18", "client_archs": ["resnet34"]},
+                                                 "federation": {"num_clients": 1}}), None, None)
     models = strategy.models_to_evaluate(init)
     assert list(models) == ["client_0"]
-    np.testing.assert_array_equal(from_array_record(models["client_0"])["backbone.w"], np.ones(3))
-    assert isinstance(models["client_0"], ArrayRecord)
+    np.testing.assert_array_equal(from_array_record(models["client_0"].arrays)["backbone.w"], np.ones(3))
+    assert models["client_0"].arch == "resnet34"  # each client's own architecture, to rebuild it
