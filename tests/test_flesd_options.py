@@ -14,7 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import strategies.flesd as flesd_module
 from server_app.experiment import load_experiment
-from ssl_models.config import ConfigError, ExperimentConfig
+from ssl_models.config import ExperimentConfig
 from ssl_models.data.datasets import load_dataset
 from ssl_models.data.splits import federated_split
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
@@ -23,7 +23,7 @@ from ssl_models.federated.similarity import encode_similarity, ensemble_similari
 from ssl_models.methods import build_method
 from ssl_models.networks import build_backbone
 from strategies import FLESD
-from fedssl_wire import from_array_record, to_array_record
+from fedssl_wire import to_array_record
 
 TAU = 0.5
 # One client, N = 3, top-1/3 fraction: k = floor(3 / 3) + 1 = 2 entries kept per row (itself and its best).
@@ -53,7 +53,7 @@ def test_default_sparsify_zeroes_dropped_similarities_before_the_exp():
     assert FLESD.default_options()["sparsify"] == "zero_similarity"
 
 
-def test_old_sparsify_names_are_refused_with_the_new_ones(tmp_path):
+def test_old_sparsify_names_are_refused_with_the_new_ones():
     for old in ("paper", "code"):
         with pytest.raises(ValueError, match=r"^strategy.options.sparsify: .* renamed .* zero_similarity .* "
                                              r"zero_probability"):
@@ -178,7 +178,7 @@ def test_simclr_projector_without_batchnorm_is_linear_relu_linear():
         _tiny_simclr(proj_batch_norm="no")
 
 
-def test_flesd_configs_use_the_papers_head(tmp_path):
+def test_flesd_configs_use_the_papers_head():
     cfg, _ = load_experiment({"config": "configs/flesd/table1/cifar10-alpha1-flesd.yaml",
                               "data.dataset": "synthetic"})
     method = build_ssl_model(cfg, seed=0)

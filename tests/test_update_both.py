@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
