@@ -195,7 +195,7 @@ def server_ensemble_case(n: int, num_clients: int, mode: str, fraction: float | 
     with PeakWindow() as window:
         # as FLESD.aggregate: decode one upload at a time while the ensemble accumulates
         payloads = (from_array_record(record) for record in records)
-        ensemble = ensemble_similarity(payloads, TARGET_TEMPERATURE, sparsify="paper", n=n)
+        ensemble = ensemble_similarity(payloads, TARGET_TEMPERATURE, sparsify="zero_probability", n=n)
     assert ensemble.shape == (n, n) and bool(torch.isfinite(ensemble[:8]).all())
     return {"n": n, "clients": num_clients, "mode": mode, "fraction": fraction,
             "received_uploads_mib": received_mib, **window.report(n)}

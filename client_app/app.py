@@ -119,11 +119,15 @@ def train(msg: Message, context: Context) -> Message:
     """Generalized FedSSL, FedProx, FedEMA, FedU, Min-Local: a download rule, local SSL, upload."""
     r = round_inputs(msg, context)
     config = r.config
+    prefix = "rule-input."  # per-client values from the server for the download rule (FedEMA's lambda)
+    rule_inputs = {key[len(prefix):]: config[key] for key in config.keys() if key.startswith(prefix)}
     result = train_local_ssl(
         r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
         server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
-        update_both=bool(config.get("update-both", False)), rule=str(config.get("client-update", "fedssl")),
-        rule_options=r.cfg.strategy.options, proximal_mu=float(config.get("proximal-mu", 0.0)),
+        update_both=bool(config.get("update-both", False)),
+        aggregate_target=bool(config.get("aggregate-target", False)),
+        rule=str(config.get("client-update", "fedssl")), rule_options=r.cfg.strategy.options,
+        rule_inputs=rule_inputs, proximal_mu=float(config.get("proximal-mu", 0.0)),
         proximal_form=str(config.get("proximal-form", "paper")), log=r.log,
     )
     metrics = train_metrics(r.partition_id, result.stats)

@@ -4,9 +4,13 @@ called directly in tests and benchmarks; ``client_app.app`` only decodes and enc
 A local round = a *download rule* (how the received global weights enter the client's model), local SSL
 training, and the client state to keep until the next round. Download rules:
 - ``fedssl``: the global online encoder (+ predictor) replaces the client's; the target branch is the
-  client's own (first participation: a copy of the received online branch);
-- ``fedema``: FedEMA's divergence-aware EMA of the client's last model with the global one;
+  client's own (first participation: a copy of the received online branch). ``update_both`` (the FedEMA
+  paper's update-both): the target takes the global online weights too; ``aggregate_target`` (EasyFL's
+  "aggregate the target too"): the target takes the received average of the clients' targets;
+- ``fedema``: FedEMA's divergence-aware EMA of the client's last model with the global one (Algorithm 1);
 - ``fedu``: FedU's divergence-aware predictor update.
+Per-client values the server sends with a round (``rule-input.<name>`` config keys, e.g. FedEMA's
+server-computed ``server_lambda``) reach the rule as keyword arguments.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.datasets import load_npz
-from ssl_models.factory import build_ssl_model, load_partial_state, reset_target_from_online, split_state, \
-    state_to_numpy
+from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, reset_target_from_online, \
+    split_state, state_to_numpy
+from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
 from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
@@ -75,42 +80,58 @@ def _pick(state: Mapping[str, np.ndarray], prefixes: tuple[str, ...]) -> dict[st
 
 
 def fedssl_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
-    """Generalized FedSSL: global online parts replace the client's; the rest stays the client's own."""
+    """Generalized FedSSL: global online parts replace the client's; the rest stays the client's own.
+
+    ``options["update_both"]``: the target branch takes the global online weights as well (the paper's
+    update-both). With ``aggregate_target`` the server sends the averaged target, which is loaded as it is.
+    A first participation without a received target starts the target as a copy of the global online branch.
+    The MoCo queue is always the client's own."""
     own = _model_entries(client_state)
     if own:
         load_partial_state(method, own)
     load_partial_state(method, global_state)
-    if not own:
+    received_target = any(k.startswith(TARGET_PREFIXES) for k in global_state)
+    if options.get("update_both", False) or (not own and not received_target):
         reset_target_from_online(method)
     return {}
 
 
-def fedema_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
+def fedema_download(method, global_state, client_state, server_round, options,
+                    server_lambda: float | None = None) -> dict[str, Any]:
     """FedEMA (Algorithm 1): W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1).
 
-    A client seen for the first time, or not selected in the previous round, takes the global online
-    encoder and predictor (its target stays its own when it has one). ``options``: mu_mode
+    A client seen for the first time, or not selected in the previous round, takes the global model for its
+    online encoder, predictor **and target** (Algorithm 1, lines 13-14). Otherwise the online encoder and
+    predictor take the EMA and the target stays the client's own. ``options``: mu_mode
     (autoscaler | lambda | constant), tau, lambda, mu_encoder, mu_predictor, ema_scope
-    (both | encoder | predictor), divergence (paper | easyfl).
+    (both | encoder | predictor), divergence (paper | easyfl), lambda_from (server_first_round |
+    client_first_ema). ``server_lambda``: the autoscaler's lambda the server computed after this client's
+    first training round (``lambda_from: server_first_round``); without it (``client_first_ema``, or a client
+    whose first upload never reached the server) the client computes lambda = tau / d at its first EMA.
     """
     own = _model_entries(client_state)
+    stored_lambda = _meta(client_state, "lambda")
     info: dict[str, Any] = {"ema": False, "mu": None, "mu_predictor": None, "divergence": None,
-                            "lambda": _meta(client_state, "lambda")}
+                            "lambda": server_lambda if server_lambda is not None else stored_lambda,
+                            "lambda_from_server": server_lambda is not None}
     if own:
         load_partial_state(method, own)
     last = _meta(client_state, "last_round")
     if not own or last is None or int(last) != server_round - 1:
         load_partial_state(method, global_state)
-        if not own:
-            reset_target_from_online(method)
+        reset_target_from_online(method)  # W_k^t <- W_g as well: a stale target would not match the new model
         info["reason"] = "first participation" if not own else "not selected in the previous round"
         return info
     d_paper = l2_divergence(global_state, own, ONLINE_ENCODER)
     d = d_paper if options["divergence"] == "paper" else _meta(client_state, "update_size", 0.0)
     lam = info["lambda"]
     if options["mu_mode"] == "autoscaler":
+        from_server = (options.get("lambda_from", "server_first_round") == "server_first_round"
+                       and server_lambda is not None)
+        lam = float(server_lambda) if from_server else stored_lambda
         if lam is None:  # once per client, at its first EMA update: its first mu is exactly tau
             lam = autoscaler_lambda(options["tau"], d)
+        info["lambda_from_server"] = from_server
         mu_enc = mu_pred = fedema_mu(lam, d)
     elif options["mu_mode"] == "lambda":
         lam = float(options["lambda"])
@@ -170,12 +191,12 @@ DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
 
 def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
                    loss_hook=None, log: Callable[[str], None] | None = None) -> TrainStats:
-    """``train_ssl`` with the experiment's local-training settings."""
+    """``train_ssl`` with the experiment's local-training settings and augmentation recipe (``augment``)."""
     t = cfg.train
     return train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
                      momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
                      drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
-                     loss_hook=loss_hook, log=log)
+                     augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook, log=log)
 
 
 def train_local_ssl(
@@ -188,20 +209,26 @@ def train_local_ssl(
     partition_id: int,
     lr: float,
     update_both: bool = False,
+    aggregate_target: bool = False,
     rule: str = "fedssl",
     rule_options: Mapping[str, Any] | None = None,
+    rule_inputs: Mapping[str, Any] | None = None,
     proximal_mu: float = 0.0,
     proximal_form: str = "paper",
     log: Callable[[str], None] | None = None,
 ) -> LocalRoundResult:
     """One round on one client: download rule, local SSL training, upload and client state.
 
+    Upload: the online encoder and projector (+ predictor), plus the target branch only with
+    ``aggregate_target``; with ``update_both`` the target is not kept either (the next download replaces it).
+    ``rule_inputs``: per-client values from the server for the download rule (FedEMA's ``server_lambda``).
     ``proximal_mu > 0`` adds FedProx's proximal term towards the received global weights to every step."""
     if rule not in DOWNLOAD_RULES:
         raise ValueError(f"unknown client download rule {rule!r} (valid: {', '.join(DOWNLOAD_RULES)})")
     seed = round_seed(cfg, server_round, partition_id)
     method = build_ssl_model(cfg, seed=seed)
-    info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, dict(rule_options or {}))
+    options = {**(rule_options or {}), "update_both": bool(update_both), "aggregate_target": bool(aggregate_target)}
+    info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, options, **(rule_inputs or {}))
     method.on_new_global()
     start_state = state_to_numpy(method.state_dict()) if rule in ("fedema", "fedu") else None
     device = resolve_device(cfg.train.device)
@@ -213,17 +240,20 @@ def train_local_ssl(
         hook = lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper")  # noqa: E731
     stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
     method.cpu()
-    shared, local = split_state(method, method.shared_prefixes(update_both=update_both))
+    shared, local = split_state(method, method.shared_prefixes(with_target=aggregate_target))
     if rule == "fedssl":
-        kept = state_to_numpy(local)  # what the server does not hold: target branch, queue
+        # What the server does not hold: target branch (unless the next download replaces it), MoCo queue.
+        kept = state_to_numpy({k: v for k, v in local.items() if not (update_both and k.startswith(TARGET_PREFIXES))})
     elif rule == "local":
         kept = state_to_numpy(method.state_dict())  # the client's own model is all it has
     else:
-        # FedEMA/FedU need the client's whole last model (online, predictor, target) next time.
+        # FedEMA/FedU need the client's whole last model (online, predictor, target) next time, and the size of
+        # this local update (EasyFL's divergence), which is also reported: the server's autoscaler uses it.
         kept = state_to_numpy(method.state_dict())
-        kept[META + "update_size"] = np.array([easyfl_divergence(start_state, kept)])
-        if info.get("lambda") is not None:
-            kept[META + "lambda"] = np.array([float(info["lambda"])])
+        info["update_size"] = easyfl_divergence(start_state, kept)
+        kept[META + "update_size"] = np.array([info["update_size"]])
+        if info.get("lambda") is not None and not info.get("lambda_from_server", False):
+            kept[META + "lambda"] = np.array([float(info["lambda"])])  # computed here: keep it for later rounds
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
     return LocalRoundResult(state_to_numpy(shared), kept, stats, info)
 

@@ -95,6 +95,40 @@ class TrainConfig:
 
 
 @dataclass
+class AugmentConfig:
+    """The random views of local SSL training and FLESD distillation, and the encoder's input normalisation.
+
+    The default is this project's CIFAR recipe: RandomResizedCrop(scale 0.08-1), flip, ColorJitter(0.4, 0.4, 0.4,
+    0.1) with p 0.8, grayscale p 0.2, no blur, no normalisation (the MoCo v1 transform of EasyFL; EasyFL's
+    SimCLR/BYOL/SimSiam/MoCo v2 and FLESD use ColorJitter(0.8, 0.8, 0.8, 0.2): see their configs).
+    ``normalize: true`` gives every encoder an input-normalisation layer ``(x - mean) / std`` (part of the
+    backbone, recorded in ``model.pt``), so training, evaluation, FLESD and ``fedssl-eval`` all see it.
+    """
+
+    crop_scale: list = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area fraction (low, high)
+    crop_ratio: list = field(default_factory=lambda: [3.0 / 4.0, 4.0 / 3.0])  # aspect ratio (low, high)
+    flip_p: float = 0.5
+    brightness: float = 0.4  # colour-jitter strengths, as torchvision's ColorJitter
+    contrast: float = 0.4
+    saturation: float = 0.4
+    hue: float = 0.1
+    jitter_p: float = 0.8  # probability that a view is colour-jittered
+    grayscale_p: float = 0.2
+    blur_p: float = 0.0  # probability of a Gaussian blur (after grayscale)
+    blur_sigma: list = field(default_factory=lambda: [0.1, 2.0])  # sigma ~ U(low, high), in pixels
+    blur_kernel_size: int = 0  # odd side of the blur kernel; 0: 10 % of the image side made odd (3 at 32x32)
+    normalize: bool = False  # input normalisation (x - mean) / std inside the encoder
+    mean: list = field(default_factory=lambda: [0.4914, 0.4822, 0.4465])  # per channel (CIFAR-10 train stats)
+    std: list = field(default_factory=lambda: [0.2470, 0.2435, 0.2616])
+
+    def input_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """(mean, std) of the encoder's input-normalisation layer, or None without normalisation."""
+        if not self.normalize:
+            return None
+        return tuple(float(v) for v in self.mean), tuple(float(v) for v in self.std)
+
+
+@dataclass
 class StrategyConfig:
     name: str = "fedssl"
     options: dict = field(default_factory=dict)  # checked against the strategy registry
@@ -135,6 +169,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -215,6 +250,8 @@ class ExperimentConfig:
         _require(t.max_steps_per_epoch >= 0, "train.max_steps_per_epoch", "must be >= 0",
                  t.max_steps_per_epoch)
 
+        self.augment_checks()
+
         f = self.federation
         _require(f.num_clients >= 1, "federation.num_clients", "must be >= 1", f.num_clients)
         _require(f.clients_per_round >= 0, "federation.clients_per_round", "must be >= 0", f.clients_per_round)
@@ -240,6 +277,26 @@ class ExperimentConfig:
         _require(e.max_train >= 0, "eval.max_train", "must be >= 0", e.max_train)
         _require(e.max_test >= 0, "eval.max_test", "must be >= 0", e.max_test)
         _one_of(e.device, DEVICES, "eval.device")
+
+    def augment_checks(self) -> None:
+        """Values of the ``augment`` section (each error names ``augment.<key>``)."""
+        a = self.augment
+        _pair(a.crop_scale, "augment.crop_scale", "0 < low <= high <= 1", lambda lo, hi: 0 < lo <= hi <= 1)
+        _pair(a.crop_ratio, "augment.crop_ratio", "0 < low <= high", lambda lo, hi: 0 < lo <= hi)
+        _pair(a.blur_sigma, "augment.blur_sigma", "0 < low <= high", lambda lo, hi: 0 < lo <= hi)
+        for key in ("flip_p", "jitter_p", "grayscale_p", "blur_p"):
+            _require(0 <= getattr(a, key) <= 1, f"augment.{key}", "must be in [0, 1]", getattr(a, key))
+        for key in ("brightness", "contrast", "saturation"):
+            _require(getattr(a, key) >= 0, f"augment.{key}", "must be >= 0", getattr(a, key))
+        _require(0 <= a.hue <= 0.5, "augment.hue", "must be in [0, 0.5]", a.hue)
+        _require(a.blur_kernel_size == 0 or (a.blur_kernel_size >= 3 and a.blur_kernel_size % 2 == 1),
+                 "augment.blur_kernel_size", "must be 0 (automatic) or an odd number >= 3", a.blur_kernel_size)
+        for key, positive in (("mean", False), ("std", True)):
+            values = getattr(a, key)
+            ok = (len(values) == 3 and all(_is_number(v) for v in values)
+                  and all(v > 0 if positive else True for v in values))
+            _require(ok, f"augment.{key}", "must be 3 numbers (one per RGB channel)" + (", each > 0" if positive
+                                                                                      else ""), values)
 
     def check_files(self) -> None:
         """Check that the data the config names exists on this machine (the server's, at start).
@@ -367,6 +424,16 @@ def _type_matches(value: Any, expected: type) -> bool:
     if expected is float:
         return isinstance(value, (int, float)) and math.isfinite(value)
     return isinstance(value, expected)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pair(values: list, key: str, rule: str, check) -> None:
+    """A (low, high) list: two finite numbers that satisfy ``check(low, high)``."""
+    ok = len(values) == 2 and all(_is_number(v) for v in values) and check(*values)
+    _require(ok, key, f"must be [low, high] with {rule}", values)
 
 
 def _require(ok: bool, key: str, what: str, value: Any) -> None:

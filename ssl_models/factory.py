@@ -2,8 +2,8 @@
 
 What is exchanged with the server is decided by state_dict key prefixes (see
 ``SSLMethod.shared_prefixes``): the online encoder and projector, the predictor when the method has
-one, and the target branch only in the "update-both" variant. Everything else (target branch, MoCo
-queue) stays on the client.
+one, and the target branch only with the strategy option ``aggregate_target``. Everything else (target
+branch, MoCo queue) stays on the client.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .config import ExperimentConfig, validate_component_options
+from ssl_models.data.augment import SSLAugment
 from ssl_models.networks import build_backbone
 from .methods import build_method, method_default_options
 
@@ -25,11 +26,19 @@ def method_options(cfg: ExperimentConfig) -> dict:
 
 
 def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None) -> torch.nn.Module:
-    """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights."""
+    """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
+
+    The backbone normalises its input when the config says so (``augment.normalize``)."""
     if seed is not None:
         torch.manual_seed(seed)
-    backbone, feature_dim = build_backbone(arch or cfg.model.arch, cfg.model.width)
+    backbone, feature_dim = build_backbone(arch or cfg.model.arch, cfg.model.width,
+                                           cfg.augment.input_normalization())
     return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
+
+
+def build_augment(cfg: ExperimentConfig, image_size: int) -> SSLAugment:
+    """The experiment's SSL augmentation recipe (its ``augment`` section) for images of ``image_size``."""
+    return SSLAugment.from_config(cfg.augment, image_size)
 
 
 def split_state(method: torch.nn.Module, prefixes: tuple[str, ...]) -> tuple[OrderedDict, OrderedDict]:

@@ -2,8 +2,11 @@
 
 Each round the sampled clients receive the global online encoder + projector (+ predictor), train
 locally with their SSL method, and upload the same parts; the server averages them weighted by each
-client's number of examples. The target/momentum branch stays on the client unless ``update_both``
-is set (the paper's "update-both" variant, also EasyFL's ``aggregation_content: all``).
+client's number of examples. The target/momentum branch stays on the client. ``update_both`` (the FedEMA
+paper's update-both): on download the client's target takes the global online weights too; nothing more
+travels. ``aggregate_target`` (EasyFL's ``aggregation_content: all``, made explicit): clients also upload
+their targets, the server averages them and the clients take the averaged target. The MoCo queue always
+stays on the client.
 
 The class only orchestrates: sampling, per-node messages, byte accounting and bookkeeping. The math
 lives in ``strategies.aggregation``; the training in the ClientApp.
@@ -45,16 +48,26 @@ class FedSSL(Strategy):
     client_update = "fedssl"  # the ClientApp's download rule (client_app/tasks.py)
     supports_mixed_archs = False  # averaging weights needs one architecture
     message_type = TRAIN_MESSAGE_TYPE  # the ClientApp handler that serves a training round
+    # Whether the target-branch options (update_both, aggregate_target) mean something for this strategy.
+    target_options = True
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         # client_state: where each client's state lives between rounds (fedssl_wire.py).
-        return {"update_both": False, "client_state": "disk"}
+        return {"update_both": False, "aggregate_target": False, "client_state": "disk"}
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         """Value checks beyond types; raise ValueError naming ``strategy.options.<key>``."""
         check_choice(options, "client_state", CLIENT_STATE_MODES)
+        for key in ("update_both", "aggregate_target"):
+            if options.get(key) and not cls.target_options:
+                raise ValueError(f"strategy.options.{key}: not supported by strategy {cls.name!r} "
+                                 "(it decides itself what happens to the target branch); keep it false")
+        if options.get("update_both") and options.get("aggregate_target"):
+            raise ValueError("strategy.options.aggregate_target: cannot be combined with update_both (update_both "
+                             "replaces the target by the global online weights, aggregate_target by the "
+                             "averaged targets); choose one")
 
     def __init__(
         self,
@@ -103,12 +116,18 @@ class FedSSL(Strategy):
     # ------------------------------------------------------------------ what is exchanged
     def exchange_prefixes(self, method) -> tuple[str, ...]:
         """State-dict key prefixes the clients upload and the server averages."""
-        return method.shared_prefixes(update_both=bool(self.options["update_both"]))
+        return method.shared_prefixes(with_target=bool(self.options["aggregate_target"]))
 
     def client_config(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific keys added to every client's config (subclasses extend it)."""
-        return {"update-both": bool(self.options["update_both"]), "client-update": self.client_update,
+        return {"update-both": bool(self.options["update_both"]),
+                "aggregate-target": bool(self.options["aggregate_target"]), "client-update": self.client_update,
                 "client-state": str(self.options["client_state"]), "state-dir": self.state_dir}
+
+    def config_for_client(self, server_round: int, partition_id: int) -> dict[str, Any]:
+        """Keys for one client only (hook: FedEMA sends each client its autoscaler lambda as
+        ``rule-input.server_lambda``; ``rule-input.*`` keys reach the client's download rule)."""
+        return {}
 
     # ------------------------------------------------------------------ train
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -121,7 +140,8 @@ class FedSSL(Strategy):
         for pid in chosen:
             node = self.clients[pid]
             cfg = ConfigRecord({**dict(config), **self.round_config(server_round),
-                                **self.client_config(server_round), "server-round": server_round})
+                                **self.client_config(server_round), **self.config_for_client(server_round, pid),
+                                "server-round": server_round})
             content = RecordDict({"arrays": self.arrays_for_client(server_round, pid, payload), "config": cfg})
             if self.server_store is not None:
                 content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})

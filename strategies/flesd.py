@@ -20,9 +20,9 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 
-from ssl_models.federated.distillation import build_key_encoder, distill
-from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.federated.similarity import ENCODING_MODES, TOPK, ensemble_similarity
+from ssl_models.federated.distillation import QUEUE_WARMUPS, build_key_encoder, distill
+from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.federated.similarity import ENCODING_MODES, SPARSIFY_VARIANTS, TOPK, ensemble_similarity
 from ssl_models.data.splits import images_digest, public_images
 from ssl_models.training import resolve_device
 
@@ -31,7 +31,7 @@ from .fedssl import FedSSL
 from fedssl_wire import SIMILARITY_MESSAGE_TYPE, SIMILARITY_RECORD, from_array_record, to_array_record
 
 PUBLIC_SOURCES = ("split", "client0")
-SPARSIFY = ("paper", "code")
+KEY_ENCODERS = ("carry_over", "fresh_each_round")
 
 
 class FLESD(FedSSL):
@@ -39,6 +39,7 @@ class FLESD(FedSSL):
     client_update = "fedssl"  # a client of the global architecture takes the distilled model as it is
     supports_mixed_archs = True
     message_type = SIMILARITY_MESSAGE_TYPE
+    target_options = False  # clients exchange no weights upward
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
@@ -50,7 +51,9 @@ class FLESD(FedSSL):
             # Upload: dense-fp32, dense-fp16, or topk (the top n% entries of each row as fp16 values + indices).
             "similarity": "topk",
             "topk_fraction": 0.1,
-            "sparsify": "paper",  # paper: dropped entries get probability 0; code: set to 0 before the exp
+            # zero_similarity: a dropped similarity is 0 before the exp (the paper's text and the official code);
+            # zero_probability: a dropped entry gets probability 0 (masked after the exp).
+            "sparsify": "zero_similarity",
             "target_temperature": 0.1,  # tau_T of the ensemble
             "student_temperature": 0.1,  # tau_S of the distillation
             "distill_iterations": 1000,  # J
@@ -59,16 +62,26 @@ class FLESD(FedSSL):
             "distill_momentum": 0.999,
             "distill_lr": 1e-3,
             "distill_weight_decay": 1e-6,
+            # start: the first ceil(K / B) iterations only fill the queue; every_epoch: at every epoch over the
+            # public set, as the official code.
+            "queue_warmup": "start",
+            # carry_over: the momentum key encoder continues across rounds; fresh_each_round: a new copy of the
+            # student at every round's distillation, as the official code.
+            "key_encoder": "carry_over",
         }
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         super().check_options(options)
-        if options["update_both"]:
-            raise ValueError("strategy.options.update_both: FLESD exchanges no weights upward; keep it false")
         check_choice(options, "public_source", PUBLIC_SOURCES)
         check_choice(options, "similarity", ENCODING_MODES)
-        check_choice(options, "sparsify", SPARSIFY)
+        if options["sparsify"] in ("paper", "code"):
+            raise ValueError(f"strategy.options.sparsify: {options['sparsify']!r} was renamed by what it does: "
+                             "zero_similarity (dropped similarities set to 0 before the exp, the paper's text and the "
+                             "official code; formerly 'code') or zero_probability (formerly 'paper')")
+        check_choice(options, "sparsify", SPARSIFY_VARIANTS)
+        check_choice(options, "queue_warmup", QUEUE_WARMUPS)
+        check_choice(options, "key_encoder", KEY_ENCODERS)
         check_unit(options, "topk_fraction")
         check_positive(options, "topk_fraction")
         for key in ("target_temperature", "student_temperature", "distill_iterations", "distill_batch_size",
@@ -82,7 +95,9 @@ class FLESD(FedSSL):
         self.public_digest = images_digest(self.public)
         self.device = resolve_device(cfg.train.device)
         self.model = build_ssl_model(cfg, seed=cfg.seed)
-        self.key_encoder = None  # the momentum encoder carries over between rounds
+        self.key_encoder = None  # the momentum encoder (carried over between rounds unless fresh_each_round)
+        # The local augmentation recipe (the experiment's ``augment`` section) makes the distillation's views.
+        self.augment = build_augment(cfg, int(self.public.shape[1]))
         self.distill_stats: dict[int, dict[str, Any]] = {}
         log(INFO, "FLESD public set: %d images, sha256 %s", len(self.public), self.public_digest[:16])
 
@@ -116,14 +131,15 @@ class FLESD(FedSSL):
         ensemble = ensemble_similarity(payloads, float(o["target_temperature"]), sparsify=o["sparsify"], n=n)
         ensemble_s = time.perf_counter() - t0
         load_partial_state(self.model, from_array_record(self._global))
-        if self.key_encoder is None:  # the momentum encoder starts as the student and carries over
-            self.key_encoder = build_key_encoder(self.model)
+        if self.key_encoder is None or o["key_encoder"] == "fresh_each_round":
+            self.key_encoder = build_key_encoder(self.model)  # a copy of this round's student
         stats = distill(
             self.model, self.public, ensemble, iterations=int(o["distill_iterations"]),
             batch_size=min(int(o["distill_batch_size"]), n), queue_size=int(o["queue_size"]),
             momentum=float(o["distill_momentum"]), temperature=float(o["student_temperature"]),
             lr=float(o["distill_lr"]), weight_decay=float(o["distill_weight_decay"]), device=self.device,
             fast_path=self.cfg.train.fast_path, seed=self.seed * 1009 + server_round, key_encoder=self.key_encoder,
+            augment=self.augment, queue_warmup=o["queue_warmup"],
         )
         self.model.cpu()
         del ensemble
@@ -143,8 +159,11 @@ class FLESD(FedSSL):
         record = self.round_records.get(server_round)
         if record is not None and server_round in self.distill_stats:
             d = self.distill_stats[server_round]
+            o = self.options
             record.update(distill_loss=d["loss"], distill_steps=d["steps"], distill_s=d["seconds"],
-                          ensemble_s=d["ensemble_s"], public_size=len(self.public))
+                          distill_warmup_iterations=d["warmup_iterations"], ensemble_s=d["ensemble_s"],
+                          public_size=len(self.public), sparsify=o["sparsify"], queue_warmup=o["queue_warmup"],
+                          key_encoder=o["key_encoder"])
         return arrays, metrics
 
     def client_record(self, reply: Message) -> dict[str, Any]:

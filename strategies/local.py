@@ -16,6 +16,7 @@ from fedssl_wire import DiskStateStore, from_array_record, to_array_record
 class Local(FedSSL):
     name = "local"
     client_update = "local"
+    target_options = False  # nothing is aggregated: every client keeps its whole model
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

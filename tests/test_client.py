@@ -29,9 +29,9 @@ def cfg():
     return ExperimentConfig.from_dict(TINY)
 
 
-def global_shared(cfg, update_both=False):
+def global_shared(cfg, with_target=False):
     model = build_ssl_model(cfg, seed=123)
-    shared, _ = split_state(model, model.shared_prefixes(update_both))
+    shared, _ = split_state(model, model.shared_prefixes(with_target))
     return state_to_numpy(shared)
 
 
@@ -59,7 +59,7 @@ def test_local_target_is_restored_not_replaced_by_the_global_model(cfg):
     np.testing.assert_allclose(second.local_state["target_" + key], expected, rtol=1e-4, atol=1e-6)
 
 
-def test_simclr_has_no_local_state_and_update_both_uploads_the_target():
+def test_simclr_has_no_local_state_and_only_aggregate_target_uploads_the_target():
     simclr = ExperimentConfig.from_dict({**TINY, "method": {"name": "simclr", "options": {
         "proj_hidden_dim": 32, "proj_out_dim": 16}}})
     res = train_local_ssl(simclr, client_images(simclr, 0), global_shared(simclr), None, server_round=1,
@@ -67,8 +67,11 @@ def test_simclr_has_no_local_state_and_update_both_uploads_the_target():
     assert res.local_state == {} and res.stats.steps == 1 and np.isfinite(res.stats.loss)
     byol = ExperimentConfig.from_dict(TINY)
     res = train_local_ssl(byol, client_images(byol, 0), global_shared(byol, True), None, server_round=1,
-                          partition_id=0, lr=0.05, update_both=True)
+                          partition_id=0, lr=0.05, aggregate_target=True)
     assert any(k.startswith("target_") for k in res.shared_state) and not res.local_state
+    res = train_local_ssl(byol, client_images(byol, 0), global_shared(byol), None, server_round=1,
+                          partition_id=0, lr=0.05, update_both=True)  # the paper's: no target upload, none kept
+    assert not any(k.startswith("target_") for k in res.shared_state) and not res.local_state
 
 
 @pytest.fixture()

@@ -74,14 +74,22 @@ def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2, 3]
     by_round = [{c["id"]: c for c in r["clients"]} for r in rounds]
+    assert all(r["lambda_from"] == "server_first_round" and r["divergence_form"] == "paper" for r in rounds)
     for pid in (0, 1):
         first, second, third = (by_round[i][pid] for i in range(3))
         assert first["mu"] is None and first["ema"] is False  # first participation: takes the global model
-        assert second["ema"] and abs(second["mu"] - 0.7) < 1e-9  # autoscaler: first EMA uses mu = tau
-        assert second["divergence"] > 0 and second["lambda"] > 0
-        # lambda was computed once and kept on the client: the third mu is lambda * d (capped at 1).
-        assert third["lambda"] == second["lambda"]
+        # Algorithm 1: the server sets lambda = tau / ||W_g - W_k|| from the client's first upload, once.
+        assert first["lambda_set"] > 0 and first["lambda_set_divergence"] > 0
+        assert abs(first["lambda_set"] * first["lambda_set_divergence"] - 0.7) < 1e-9
+        assert "lambda_set" not in second and "lambda_set" not in third
+        # Every client in every round: the client's first divergence is the server's, so its first mu is tau.
+        assert second["ema"] and abs(second["mu"] - 0.7) < 1e-9 and second["lambda_from_server"] is True
+        assert second["lambda"] == first["lambda_set"] == third["lambda"]
+        assert abs(second["divergence"] - first["lambda_set_divergence"]) < 1e-9 * first["lambda_set_divergence"]
         assert abs(third["mu"] - min(1.0, third["lambda"] * third["divergence"])) < 1e-9
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["augment"]["jitter_p"] == 0.8  # the recipe is recorded with the run
+    assert summary["config"]["strategy"]["options"]["lambda_from"] == "server_first_round"
     files = sorted(p.name for p in (out / "client_state").glob("run-*/client_*.npz"))
     assert files == ["client_0.npz", "client_1.npz"]
 

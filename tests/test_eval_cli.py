@@ -63,6 +63,7 @@ def test_checkpoint_round_trip_restores_weights_buffers_and_metadata(tmp_path):
     loaded, info = load_encoder_checkpoint(path)
     assert info == {
         "format": CHECKPOINT_FORMAT, "arch": ARCH, "width": WIDTH, "feature_dim": 64, "path": str(path),
+        "input_normalization": None,
         "extra": {"method": "simclr", "round": 7, "lr": 0.5, "history": [1.0, None, (2, "x")], "mask": [1, 2]},
     }
     assert not loaded.training

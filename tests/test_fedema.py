@@ -141,7 +141,8 @@ def test_fedema_client_skipped_last_round_restarts_from_global(cfg):
     assert info["ema"] is False and "not selected" in info["reason"]
     for key, value in glob.items():
         np.testing.assert_array_equal(now[key], value)
-    np.testing.assert_array_equal(now["target_backbone.stem.0.weight"], own["target_backbone.stem.0.weight"])
+    # Algorithm 1, lines 13-14: the target restarts from the global model too.
+    np.testing.assert_array_equal(now["target_backbone.stem.0.weight"], glob["backbone.stem.0.weight"])
 
 
 def test_fedema_constant_mu_and_scopes(cfg):
@@ -181,19 +182,22 @@ def test_fedu_threshold_switches_the_predictor(cfg):
 
 
 def test_every_client_first_mu_equals_tau_over_real_rounds(cfg):
+    # lambda_from client_first_ema: the client sets lambda at its first EMA (the server-side default is
+    # tested in tests/test_fedema_algorithm.py).
+    options = fedema_options(lambda_from="client_first_ema")
     method = build_ssl_model(cfg, seed=0)
     glob = state_to_numpy(split_state(method, method.shared_prefixes())[0])
     for pid in range(2):
         images = client_images(cfg, pid)
         r1 = train_local_ssl(cfg, images, glob, None, server_round=1, partition_id=pid, lr=0.05, rule="fedema",
-                             rule_options=fedema_options())
+                             rule_options=options)
         assert r1.info["mu"] is None and "meta.lambda" not in r1.client_state
         r2 = train_local_ssl(cfg, images, glob, r1.client_state, server_round=2, partition_id=pid, lr=0.05,
-                             rule="fedema", rule_options=fedema_options())
+                             rule="fedema", rule_options=options)
         assert r2.info["mu"] == pytest.approx(0.7, abs=1e-9)
         lam = float(r2.client_state["meta.lambda"][0])
         r3 = train_local_ssl(cfg, images, glob, r2.client_state, server_round=3, partition_id=pid, lr=0.05,
-                             rule="fedema", rule_options=fedema_options())
+                             rule="fedema", rule_options=options)
         assert float(r3.client_state["meta.lambda"][0]) == lam  # computed once, then kept
         assert r3.info["mu"] == pytest.approx(min(lam * r3.info["divergence"], 1.0))
         assert r3.client_state["meta.update_size"][0] > 0  # EasyFL divergence of the last local update

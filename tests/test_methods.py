@@ -125,19 +125,19 @@ def test_trainable_parameters_are_exactly_the_online_branch(name: str) -> None:
     assert {id(p) for p in method.trainable_parameters()} == expected
 
 
-def test_shared_prefixes_per_method_and_update_both() -> None:
-    assert tiny_method("simclr").shared_prefixes(update_both=True) == ("backbone.", "projector.")
+def test_shared_prefixes_per_method_and_with_target() -> None:
+    assert tiny_method("simclr").shared_prefixes(with_target=True) == ("backbone.", "projector.")
     assert tiny_method("simsiam").shared_prefixes() == ("backbone.", "projector.", "predictor.")
     byol = tiny_method("byol")
     assert byol.shared_prefixes() == ("backbone.", "projector.", "predictor.")
-    assert byol.shared_prefixes(update_both=True) == (
+    assert byol.shared_prefixes(with_target=True) == (
         "backbone.",
         "projector.",
         "predictor.",
         "target_backbone.",
         "target_projector.",
     )
-    assert tiny_method("moco").shared_prefixes(update_both=True) == (
+    assert tiny_method("moco").shared_prefixes(with_target=True) == (
         "backbone.",
         "projector.",
         "target_backbone.",
@@ -212,7 +212,7 @@ def test_byol_without_ema_has_no_target_modules() -> None:
     method = tiny_method("byol", use_ema=False)
     assert not method.has_target
     assert not any(k.startswith("target_") for k in method.state_dict())
-    assert "target_backbone." not in method.shared_prefixes(update_both=True)
+    assert "target_backbone." not in method.shared_prefixes(with_target=True)
     loss = method.training_step(*two_views())
     assert torch.isfinite(loss)
     method.after_optimizer_step()  # nothing to update, must not fail
@@ -277,6 +277,7 @@ def test_default_options_list_documented_defaults_and_are_fresh_copies() -> None
         "proj_out_dim": 128,
         "num_proj_layers": 2,
         "temperature": 0.5,
+        "proj_batch_norm": True,
     }
     byol = method_default_options("byol")
     assert (byol["proj_hidden_dim"], byol["proj_out_dim"], byol["pred_hidden_dim"]) == (4096, 2048, 4096)

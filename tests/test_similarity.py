@@ -183,21 +183,21 @@ def test_sparse_ensemble_paper_and_code_variants_match_hand_computation() -> Non
     def payloads():
         return (encode_similarity(_t(m), "topk", fraction=0.34) for m in (A, B))
 
-    paper = ensemble_similarity(payloads(), TAU, sparsify="paper")
-    code = ensemble_similarity(payloads(), TAU, sparsify="code")
+    paper = ensemble_similarity(payloads(), TAU, sparsify="zero_probability")
+    code = ensemble_similarity(payloads(), TAU, sparsify="zero_similarity")
     torch.testing.assert_close(paper.double(), _mean(PAPER_A, PAPER_B), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(code.double(), _mean(CODE_A, CODE_B), atol=1e-6, rtol=1e-6)
     # the variants differ exactly on dropped entries (and on rows whose kept maximum is negative)
     assert not torch.allclose(paper, code)
     # the server can sparsify dense uploads itself (the official code's setting): same result
-    for variant, expected in (("paper", paper), ("code", code)):
+    for variant, expected in (("zero_probability", paper), ("zero_similarity", code)):
         server_side = ensemble_similarity([_t(A), _t(B)], TAU, sparsify=variant, keep_fraction=0.34)
         torch.testing.assert_close(server_side, expected)
 
 
 def test_topk_with_fraction_one_equals_dense_ensemble_in_both_variants() -> None:
     payloads = [encode_similarity(_t(m), "topk", fraction=1.0) for m in (A, B)]
-    for variant in ("paper", "code"):
+    for variant in ("zero_probability", "zero_similarity"):
         ensemble = ensemble_similarity(payloads, TAU, sparsify=variant)
         torch.testing.assert_close(ensemble.double(), _mean(EXP_A, EXP_B), atol=1e-6, rtol=1e-6)
 
@@ -230,7 +230,8 @@ def test_streaming_ensemble_of_2000_images_equals_naive_computation() -> None:
             consumed.append(True)
             yield payload
 
-    ensemble = ensemble_similarity(stream(), tau, chunk_rows=300)  # 300 does not divide 2000
+    # the naive reference masks dropped entries: the zero_probability variant
+    ensemble = ensemble_similarity(stream(), tau, sparsify="zero_probability", chunk_rows=300)  # 300 ∤ 2000
     assert len(consumed) == 3
     torch.testing.assert_close(ensemble, expected, atol=1e-6, rtol=1e-5)
 

@@ -120,15 +120,18 @@ def test_aggregate_train_with_no_success_keeps_the_global_model():
     assert arrays is None and strategy.round_records[1]["num_clients"] == 0
 
 
-def test_update_both_widens_what_is_exchanged():
+def test_aggregate_target_widens_what_is_exchanged_and_update_both_does_not():
     class Method:
-        def shared_prefixes(self, update_both=False):
-            return ("backbone.",) + (("target_backbone.",) if update_both else ())
+        def shared_prefixes(self, with_target=False):
+            return ("backbone.",) + (("target_backbone.",) if with_target else ())
 
     assert make_strategy().exchange_prefixes(Method()) == ("backbone.",)
-    both = make_strategy(options={"update_both": True})
-    assert both.exchange_prefixes(Method()) == ("backbone.", "target_backbone.")
-    assert both.client_config(1)["update-both"] is True
+    both = make_strategy(options={"update_both": True})  # the client copies the online weights into its target
+    assert both.exchange_prefixes(Method()) == ("backbone.",)
+    assert both.client_config(1)["update-both"] is True and both.client_config(1)["aggregate-target"] is False
+    aggregated = make_strategy(options={"aggregate_target": True})
+    assert aggregated.exchange_prefixes(Method()) == ("backbone.", "target_backbone.")
+    assert aggregated.client_config(1)["aggregate-target"] is True
 
 
 def test_registry():

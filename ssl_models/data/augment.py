@@ -1,12 +1,20 @@
-"""Batched SSL augmentations that run on the training device (the FedEMA / EasyFL CIFAR recipe).
+"""Batched SSL augmentations that run on the training device.
 
-The recipe, as torchvision would apply it per image::
+The default recipe, as torchvision would apply it per image::
 
     RandomResizedCrop(32, scale=(0.08, 1.0), ratio=(3/4, 4/3)) -> RandomHorizontalFlip(0.5)
     -> RandomApply([ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8) -> RandomGrayscale(0.2) -> ToTensor
 
-with no normalisation and no blur. Doing this per image with PIL on the CPU starves a GPU, so here
-every step works on a whole batch at once while each sample still draws its own parameters:
+with no blur and no normalisation. It is this project's default, the common CIFAR recipe with moderate
+jitter; it is *not* what the papers reproduced here train with: EasyFL (the FedEMA code) uses it only for
+MoCo v1, its SimCLR/BYOL/SimSiam/MoCo v2 transform has ColorJitter(0.8, 0.8, 0.8, 0.2), and FLESD crops with
+scale 0.2-1 and the same strong jitter. Every parameter is set by the experiment's ``augment`` section
+(``SSLAugment.from_config``), and the paper configs set their paper's values. An optional Gaussian blur
+(``blur_p``) follows grayscale. Normalisation is not an augmentation here: it is a layer of the encoder
+(``ssl_models.networks.input_norm``), so every place that feeds images to an encoder applies it.
+
+Doing this per image with PIL on the CPU starves a GPU, so here every step works on a whole batch at once
+while each sample still draws its own parameters:
 
 * crop + flip are one per-sample affine map sampled with ``F.grid_sample`` (bilinear). Crop boxes
   follow ``RandomResizedCrop.get_params`` exactly (10 tries of integer boxes, then the centre-crop
@@ -17,6 +25,9 @@ every step works on a whole batch at once while each sample still draws its own 
   shifts H in an exact batched RGB <-> HSV conversion (not the YIQ approximation), clamping to
   [0, 1] after every step. As in torchvision the four steps run in a random order, drawn per sample.
 * grayscale replaces chosen samples by their luma (0.2989 R + 0.587 G + 0.114 B) on all channels.
+* blur is torchvision's ``GaussianBlur`` on tensors (separable kernel ``exp(-x^2 / 2 sigma^2)`` normalised
+  to sum 1, reflect padding), one sigma per sample, as grouped convolutions over the whole batch; samples
+  that are not blurred get the one-hot kernel, which is exactly the identity.
 
 Randomness comes from an optional ``torch.Generator`` (on the CPU or on the images' device): the
 same generator state gives the same views. Inputs are never modified in place, and the maths runs
@@ -295,6 +306,44 @@ def random_grayscale(images: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------------
+# Blur
+# --------------------------------------------------------------------------------------------------
+
+
+def blur_kernel_size_for(image_size: int) -> int:
+    """SimCLR's rule, 10 % of the image side made odd, at least 3: 3 at 32x32, 9 at 96x96, 23 at 224x224."""
+    return max(3, int(0.1 * image_size) // 2 * 2 + 1)
+
+
+def gaussian_kernels(sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """(N, K) normalised 1-D Gaussian kernels ``exp(-x^2 / (2 sigma^2))`` at x = -K//2 .. K//2, one per sigma."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd number, got {kernel_size!r}")
+    half = kernel_size // 2
+    x = torch.arange(-half, half + 1, dtype=torch.float32, device=sigma.device)
+    pdf = torch.exp(-0.5 * (x.view(1, -1) / sigma.float().view(-1, 1)).pow(2))
+    return pdf / pdf.sum(dim=1, keepdim=True)
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int,
+                  chosen: torch.Tensor | None = None) -> torch.Tensor:
+    """Blur each sample of an (N, C, H, W) batch with its own ``sigma`` (N,), as torchvision's ``gaussian_blur``
+    (separable kernel, reflect padding). Samples not ``chosen`` (when given) pass through unchanged."""
+    num, channels, height, width = images.shape
+    kernels = gaussian_kernels(sigma, kernel_size).to(images.dtype)
+    if chosen is not None:
+        identity = torch.zeros_like(kernels)
+        identity[:, kernel_size // 2] = 1.0  # one-hot: multiplies by 1 and adds exact zeros
+        kernels = torch.where(chosen.view(-1, 1), kernels, identity)
+    weights = kernels.repeat_interleave(channels, dim=0)  # one kernel per (sample, channel) plane
+    pad = kernel_size // 2
+    planes = F.pad(images.reshape(1, num * channels, height, width), (pad, pad, pad, pad), mode="reflect")
+    planes = F.conv2d(planes, weights.view(-1, 1, 1, kernel_size), groups=num * channels)  # along x
+    planes = F.conv2d(planes, weights.view(-1, 1, kernel_size, 1), groups=num * channels)  # along y
+    return planes.reshape(num, channels, height, width).clamp_(0.0, 1.0)
+
+
+# --------------------------------------------------------------------------------------------------
 # Module
 # --------------------------------------------------------------------------------------------------
 
@@ -312,11 +361,20 @@ def _check_range(values: Sequence[float], arg_name: str) -> tuple[float, float]:
 
 
 class SSLAugment(nn.Module):
-    """Random crop/flip/colour-jitter/grayscale views of a batch, computed on the batch's device.
+    """Random crop/flip/colour-jitter/grayscale/blur views of a batch, computed on the batch's device.
 
     ``forward(images)`` takes uint8 NHWC (tensor or numpy) or float NCHW in [0, 1] and returns
     float32 NCHW in [0, 1] of size ``image_size``; every sample draws its own parameters.
+    ``blur_kernel_size`` 0 picks ``blur_kernel_size_for(image_size)``.
     """
+
+    @classmethod
+    def from_config(cls, augment, image_size: int) -> "SSLAugment":
+        """The recipe of an experiment's ``augment`` section (``ssl_models.config.AugmentConfig``)."""
+        return cls(image_size=image_size, crop_scale=augment.crop_scale, crop_ratio=augment.crop_ratio,
+                   jitter=(augment.brightness, augment.contrast, augment.saturation, augment.hue),
+                   jitter_p=augment.jitter_p, grayscale_p=augment.grayscale_p, flip_p=augment.flip_p,
+                   blur_p=augment.blur_p, blur_sigma=augment.blur_sigma, blur_kernel_size=augment.blur_kernel_size)
 
     def __init__(
         self,
@@ -327,6 +385,9 @@ class SSLAugment(nn.Module):
         grayscale_p: float = 0.2,
         flip_p: float = 0.5,
         crop_ratio: Sequence[float] = (3.0 / 4.0, 4.0 / 3.0),
+        blur_p: float = 0.0,
+        blur_sigma: Sequence[float] = (0.1, 2.0),
+        blur_kernel_size: int = 0,
     ) -> None:
         super().__init__()
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
@@ -342,11 +403,21 @@ class SSLAugment(nn.Module):
         self.jitter_p = _check_probability(jitter_p, "jitter_p")
         self.grayscale_p = _check_probability(grayscale_p, "grayscale_p")
         self.flip_p = _check_probability(flip_p, "flip_p")
+        self.blur_p = _check_probability(blur_p, "blur_p")
+        self.blur_sigma = _check_range(blur_sigma, "blur_sigma")
+        if blur_kernel_size == 0:
+            blur_kernel_size = blur_kernel_size_for(image_size)
+        if isinstance(blur_kernel_size, bool) or not isinstance(blur_kernel_size, int) or blur_kernel_size < 1 \
+                or blur_kernel_size % 2 == 0:
+            raise ValueError(
+                f"blur_kernel_size must be 0 (automatic) or a positive odd integer, got {blur_kernel_size!r}")
+        self.blur_kernel_size = blur_kernel_size
 
     def extra_repr(self) -> str:
         return (f"image_size={self.image_size}, crop_scale={self.crop_scale}, crop_ratio={self.crop_ratio}, "
                 f"jitter={self.jitter}, jitter_p={self.jitter_p}, grayscale_p={self.grayscale_p}, "
-                f"flip_p={self.flip_p}")
+                f"flip_p={self.flip_p}, blur_p={self.blur_p}, blur_sigma={self.blur_sigma}, "
+                f"blur_kernel_size={self.blur_kernel_size}")
 
     def forward(self, images: ImageBatch, generator: torch.Generator | None = None) -> torch.Tensor:
         """One augmented view of every image (see the class docstring for formats)."""
@@ -365,7 +436,7 @@ class SSLAugment(nn.Module):
             return self._augment(images, generator), self._augment(images, generator)
 
     def _augment(self, images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Draw every random parameter, then apply crop/flip, colour jitter and grayscale."""
+        """Draw every random parameter, then apply crop/flip, colour jitter, grayscale and blur."""
         num, _, height, width = images.shape
         # Draw on the generator's device (a CPU generator may drive GPU batches), then move over.
         draw_device = generator.device if generator is not None else images.device
@@ -375,6 +446,9 @@ class SSLAugment(nn.Module):
         factors = _jitter_factors(num, self.jitter, generator, draw_device)
         order = torch.rand(num, 4, generator=generator, device=draw_device).argsort(dim=1)
         gray_on = torch.rand(num, generator=generator, device=draw_device) < self.grayscale_p
+        if self.blur_p > 0:  # drawn last and only when used, so a recipe without blur keeps its random stream
+            blur_on = torch.rand(num, generator=generator, device=draw_device) < self.blur_p
+            sigma = _uniform(num, self.blur_sigma[0], self.blur_sigma[1], generator, draw_device)
 
         target = images.device
         out = crop_flip_resize(images, boxes.to(target), flip.to(target), self.image_size)
@@ -383,4 +457,6 @@ class SSLAugment(nn.Module):
                                with_hue=self.jitter[HUE] > 0)
         if self.grayscale_p > 0:
             out = random_grayscale(out, gray_on.to(target))
+        if self.blur_p > 0:
+            out = gaussian_blur(out, sigma.to(target), self.blur_kernel_size, blur_on.to(target))
         return out

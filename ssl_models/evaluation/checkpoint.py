@@ -4,10 +4,14 @@ A checkpoint is a ``torch.save``d dict holding only tensors and plain Python val
 with ``torch.load(weights_only=True)`` (no arbitrary pickle code runs when a downloaded file is opened)::
 
     {"format": "fedssl-encoder/1", "arch": "resnet18", "width": 1.0, "feature_dim": 512,
+     "input_normalization": None or {"mean": [r, g, b], "std": [r, g, b]},
      "state_dict": {name: tensor, ...}, "extra": {...}}
 
-The backbone is rebuilt with ``ssl_models.networks.build_backbone(arch, width)`` and loaded strictly, so a file
-whose weights do not match its declared architecture is rejected instead of silently half-loaded.
+The backbone is rebuilt with ``ssl_models.networks.build_backbone(arch, width, normalization)`` and loaded
+strictly, so a file whose weights do not match its declared architecture is rejected instead of silently
+half-loaded. ``input_normalization`` is the encoder's input layer ``(x - mean) / std`` (``augment.normalize``):
+it is not part of the state dict, so it is recorded here and rebuilt on load; a file without the field (written
+before it existed) has none.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from ssl_models.networks import build_backbone
+from ssl_models.networks.input_norm import input_normalization_of
 
 CHECKPOINT_FORMAT = "fedssl-encoder/1"
 _REQUIRED_KEYS = ("format", "arch", "width", "feature_dim", "state_dict")
@@ -101,6 +106,7 @@ def save_encoder_checkpoint(
         "arch": arch,
         "width": float(width),
         "feature_dim": int(feature_dim),
+        "input_normalization": input_normalization_of(backbone),
         "state_dict": state_dict,
         "extra": _plain_value(extra or {}, "extra"),
     }
@@ -143,19 +149,22 @@ def load_encoder_checkpoint(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the encoder stored at ``path``; returns ``(backbone, info)``.
 
-    The backbone is built with ``build_backbone``, loaded strictly, moved to ``map_location`` and put in
-    ``eval()`` mode (checkpoints are read for evaluation; call ``.train()`` to fine-tune). ``info`` holds
-    "format", "arch", "width", "feature_dim", "extra" and "path".
+    The backbone is built with ``build_backbone`` (with its recorded input normalisation), loaded strictly,
+    moved to ``map_location`` and put in ``eval()`` mode (checkpoints are read for evaluation; call
+    ``.train()`` to fine-tune). ``info`` holds "format", "arch", "width", "feature_dim",
+    "input_normalization", "extra" and "path".
 
     Raises ``FileNotFoundError`` for a missing file and ``CheckpointError`` (a ``ValueError``) for anything
     that is not a consistent fedssl encoder checkpoint.
     """
     path = Path(path)
     payload = _read_payload(path, map_location)
+    norm = payload.get("input_normalization")
     try:
-        backbone, feature_dim = build_backbone(payload["arch"], payload["width"])
+        backbone, feature_dim = build_backbone(payload["arch"], payload["width"],
+                                               None if norm is None else (norm["mean"], norm["std"]))
         backbone.load_state_dict(payload["state_dict"], strict=True)
-    except (ValueError, RuntimeError, TypeError) as error:
+    except (ValueError, RuntimeError, TypeError, KeyError) as error:
         raise CheckpointError(
             f"{path}: weights do not fit arch={payload['arch']!r} width={payload['width']!r}: {error}"
         ) from error
@@ -165,6 +174,7 @@ def load_encoder_checkpoint(
         )
     backbone.to(map_location).eval()
     info = {key: payload[key] for key in ("format", "arch", "width", "feature_dim")}
+    info["input_normalization"] = norm
     info["extra"] = payload.get("extra", {})
     info["path"] = str(path)
     return backbone, info

@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "data_path": args.data,
         "arch": info["arch"],
         "width": info["width"],
+        "input_normalization": info.get("input_normalization"),  # the encoder's own (x - mean) / std layer
         "knn_acc": result["knn_acc"],
         "linear_probe_acc": result["linear_probe_acc"],
         "num_train": result["num_train"],

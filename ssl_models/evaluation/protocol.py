@@ -7,7 +7,8 @@ Protocol
 --------
 1. Features. The backbone is switched to ``eval()`` (BatchNorm uses its running statistics, nothing is
    updated) and run under ``torch.no_grad()`` on the un-augmented images. Images are NHWC ``uint8`` and become
-   float NCHW tensors in ``[0, 1]`` with no mean/std normalisation (the EasyFL/FedEMA recipe used for training).
+   float NCHW tensors in ``[0, 1]``, as in training; an encoder built with input normalisation
+   (``augment.normalize``) applies its own ``(x - mean) / std`` layer, so evaluation matches its training.
    Features are the pooled, flattened backbone outputs (no projector), gathered as float32 on the CPU, in
    batches of 512 (the batch size does not change the result because BatchNorm is frozen).
 2. Weighted kNN (Wu et al., 2018, "InstDisc"). Train and test features are L2-normalised; the similarity is

@@ -9,8 +9,9 @@ The distillation is MoCo with soft labels (FLESD, built on the MoCo v2 code):
 - each batch's keys are enqueued *before* the logits are computed, so every query's own key is in the queue;
 - logits ``q . queue^T / T`` are trained with soft cross-entropy against the ensemble row of the query,
   restricted to the queue's images and renormalised (``ssl_models.federated.similarity.distillation_targets``);
-- the first ``ceil(K / B)`` iterations only fill the queue (no loss, no optimizer step), as the official
-  code's ``if i < K // bs: continue``.
+- the first ``ceil(K / B)`` iterations only fill the queue (no loss, no optimizer step); ``queue_warmup=
+  "every_epoch"`` repeats that at the start of every epoch over the public set, as the official code's
+  ``if i < K // bs: continue`` inside its epoch loop (the queue itself is kept across epochs).
 
 The auxiliary contrastive loss of the FLESD code has weight 0 by default and is not implemented.
 """
@@ -132,6 +133,9 @@ def _check_positive_int(name: str, value: int) -> int:
     return value
 
 
+QUEUE_WARMUPS = ("start", "every_epoch")
+
+
 def warmup_iterations(queue_size: int, batch_size: int) -> int:
     """Iterations that only fill the queue: ``ceil(K / B)`` (the code's ``K // bs`` when B divides K)."""
     return math.ceil(queue_size / batch_size)
@@ -154,18 +158,22 @@ def distill(
     seed: int = 0,
     augment: SSLAugment | None = None,
     key_encoder: nn.Module | None = None,
+    queue_warmup: str = "start",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, float | int | str]:
     """Distil ``ensemble`` (N, N) into ``method.backbone`` + ``method.projector`` on ``public_images``.
 
     ``public_images`` are NHWC uint8, row i being ensemble index i. ``iterations`` counts batches including
-    the ``ceil(queue_size / batch_size)`` warm-up iterations, so it must exceed them. ``temperature`` is the
-    student temperature (the target temperature was applied by ``ensemble_similarity``). ``key_encoder``
-    continues an existing momentum encoder (same architecture); by default a fresh copy of the student is
-    made. The ensemble stays on its own device; only (B, K) target blocks are moved.
+    the ``ceil(queue_size / batch_size)`` warm-up iterations, so it must exceed them. ``queue_warmup``: "start"
+    (warm up once) or "every_epoch" (the official code: the first warm-up batches of every epoch of
+    ``N // batch_size`` drop-last batches only fill the queue, so an epoch must hold more batches than that).
+    ``temperature`` is the student temperature (the target temperature was applied by
+    ``ensemble_similarity``). ``key_encoder`` continues an existing momentum encoder (same architecture); by
+    default a fresh copy of the student is made. The ensemble stays on its own device; only (B, K) target
+    blocks are moved.
 
-    Returns ``{"loss": mean over optimizer steps, "steps", "iterations", "warmup_iterations", "seconds",
-    "precision"}``.
+    Returns ``{"loss": mean over optimizer steps, "steps", "iterations", "warmup_iterations" (all skipped
+    iterations), "queue_warmup", "seconds", "precision"}``.
     """
     device = torch.device(device) if isinstance(device, str) else device
     images = torch.as_tensor(public_images)
@@ -183,6 +191,14 @@ def distill(
     if iterations <= warmup:
         raise ValueError(
             f"iterations ({iterations}) must exceed the queue warm-up of ceil(queue_size / batch_size) = {warmup}"
+        )
+    if queue_warmup not in QUEUE_WARMUPS:
+        raise ValueError(f"queue_warmup must be one of {QUEUE_WARMUPS}, got {queue_warmup!r}")
+    batches_per_epoch = n // batch_size
+    if queue_warmup == "every_epoch" and batches_per_epoch <= warmup:
+        raise ValueError(
+            f"queue_warmup every_epoch: an epoch over {n} public images has {batches_per_epoch} batches of "
+            f"{batch_size}, not more than the {warmup} warm-up batches, so no step would ever train"
         )
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
@@ -205,9 +221,10 @@ def distill(
     batches = _batches(n, batch_size, torch.Generator().manual_seed(seed))
     queue: IndexedQueue | None = None
 
-    total_loss, steps = 0.0, 0
+    total_loss, steps, skipped = 0.0, 0, 0
     start = time.perf_counter()
     for iteration in range(iterations):
+        position = iteration % batches_per_epoch if queue_warmup == "every_epoch" else iteration
         batch_idx = next(batches)
         view_q, view_k = augment.two_views(images[batch_idx.to(device)], generator=augment_gen)
         if fp.channels_last:
@@ -221,7 +238,8 @@ def distill(
             if queue is None:
                 queue = IndexedQueue(keys.shape[1], queue_size, device=device)
             queue.enqueue(keys, batch_idx)  # before the logits: each query's own key is in the queue
-            if iteration < warmup:
+            if position < warmup:
+                skipped += 1
                 continue
             targets = distillation_targets(ensemble, batch_idx, queue.indices).to(device)
             loss = similarity_distillation_loss(student(view_q), queue.keys, targets, temperature)
@@ -235,7 +253,8 @@ def distill(
         "loss": total_loss / steps,
         "steps": steps,
         "iterations": iterations,
-        "warmup_iterations": warmup,
+        "warmup_iterations": skipped,
+        "queue_warmup": queue_warmup,
         "seconds": time.perf_counter() - start,
         "precision": fp.precision,
     }

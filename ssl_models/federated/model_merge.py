@@ -10,7 +10,8 @@ Pure functions over named arrays (state-dict entries as NumPy arrays or tensors)
   the client's previous local training (the size of its last local update).
 - ``ema_merge``: W <- mu * W_local + (1 - mu) * W_global over every floating entry (parameters and BatchNorm
   running statistics); integer entries (``num_batches_tracked``) take the global value.
-- ``fedema_mu``: mu = min(lambda * d, 1); ``autoscaler_lambda``: lambda = tau / d, so the first mu is tau.
+- ``fedema_mu``: mu = min(lambda * d, 1); ``autoscaler_lambda``: lambda = tau / d, set once per client (by the
+  FedEMA server from the client's first upload, Algorithm 1), so a mu at that same divergence is tau.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def ema_merge(local_state: Mapping[str, object], global_state: Mapping[str, obje
 
 
 def autoscaler_lambda(tau: float, divergence: float) -> float:
-    """lambda = tau / d, computed once per client so that its first mu equals tau exactly."""
+    """lambda = tau / d, computed once per client so that a mu at that divergence equals tau exactly."""
     if divergence <= 0 or not math.isfinite(divergence):
         # Identical models: any lambda gives mu = 0; use tau so later rounds still scale sensibly.
         return float(tau)

@@ -10,11 +10,12 @@ Sparsification keeps the top-n% entries of each row plus the image itself:
 ``int(percent / 100 * N) + 1``; self-similarity is not counted as communication). The floor is taken after
 rounding ``fraction * N`` to 9 decimals so that e.g. ``0.29 * 100 = 28.999999999999996`` counts as 29.
 
-Two sparsification variants (``sparsify=``) exist because the paper and its code disagree:
+Two sparsification variants (``sparsify=``), named by what they do to a dropped entry:
 
-- ``"paper"`` (default): a dropped entry gets probability **zero**, i.e. it is masked after the exp;
-- ``"code"``: the official code zeroes the dropped *similarities* before the exp, so a dropped entry becomes
-  ``exp((0 - rowmax) / tau_T)`` and the row maximum is taken over the zero-filled row.
+- ``"zero_similarity"`` (default): the dropped *similarity* is set to 0 before the exp, so a dropped entry
+  becomes ``exp((0 - rowmax) / tau_T)`` and the row maximum is taken over the zero-filled row. This is the
+  paper's text ("substitute the discarded values with 0") and the official code;
+- ``"zero_probability"``: a dropped entry gets probability **zero**, i.e. it is masked after the exp.
 
 Transport (``encode_similarity``) is a dict of NumPy arrays, ready for a Flower ``ArrayRecord``:
 
@@ -49,7 +50,9 @@ DENSE_FP32 = "dense-fp32"
 DENSE_FP16 = "dense-fp16"
 TOPK = "topk"
 ENCODING_MODES: tuple[str, ...] = (DENSE_FP32, DENSE_FP16, TOPK)
-SPARSIFY_VARIANTS: tuple[str, ...] = ("paper", "code")
+ZERO_SIMILARITY = "zero_similarity"
+ZERO_PROBABILITY = "zero_probability"
+SPARSIFY_VARIANTS: tuple[str, ...] = (ZERO_SIMILARITY, ZERO_PROBABILITY)
 DEFAULT_CHUNK_ROWS = 1024
 
 # what ``ensemble_similarity`` accepts per client: a dense (N, N) matrix or an ``encode_similarity`` payload
@@ -290,10 +293,10 @@ def _add_sparse_rows_(
     n = out_rows.shape[1]
     has_dropped = values.shape[1] < n
     row_max = values.amax(dim=1, keepdim=True)
-    if sparsify == "code" and has_dropped:
+    if sparsify == ZERO_SIMILARITY and has_dropped:
         row_max = row_max.clamp_min(0.0)  # the zero-filled dropped entries take part in the row max
     kept = values.sub_(row_max).div_(temperature).exp_()
-    if sparsify == "paper" or not has_dropped:
+    if sparsify == ZERO_PROBABILITY or not has_dropped:
         out_rows.scatter_add_(1, indices, kept)  # dropped entries: probability 0, nothing to add
         return
     dropped = torch.exp(-row_max / temperature)  # exp((0 - rowmax) / T) for every dropped entry
@@ -305,7 +308,7 @@ def ensemble_similarity(
     sources: Iterable[SimilaritySource],
     temperature: float,
     *,
-    sparsify: str = "paper",
+    sparsify: str = ZERO_SIMILARITY,
     keep_fraction: float | None = None,
     n: int | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
@@ -315,9 +318,9 @@ def ensemble_similarity(
 
     ``sources`` yields, per client, a dense (N, N) similarity matrix (tensor or array) or an
     ``encode_similarity`` payload; it may be a generator, consumed once, so uploads can be decoded one at a
-    time. ``topk`` payloads are sparsified per ``sparsify`` ("paper": dropped entries get probability 0;
-    "code": dropped similarities are 0 before the exp). ``keep_fraction`` additionally sparsifies dense
-    sources on the server (the official code's setting, where the server forms M itself); payloads that
+    time. ``topk`` payloads are sparsified per ``sparsify`` ("zero_similarity": dropped similarities are 0
+    before the exp; "zero_probability": dropped entries get probability 0). ``keep_fraction`` additionally
+    sparsifies dense sources on the server (the official code's setting, where the server forms M itself); payloads that
     are already top-k are used as sent. Rows are NOT renormalised: ``distillation_targets`` renormalises
     over the queue entries of each batch.
 

@@ -87,15 +87,17 @@ class SSLMethod(nn.Module):
             if not name.startswith(TARGET_PREFIXES) and parameter.requires_grad
         ]
 
-    def shared_prefixes(self, update_both: bool = False) -> tuple[str, ...]:
+    def shared_prefixes(self, with_target: bool = False) -> tuple[str, ...]:
         """state_dict key prefixes that the server averages; every other key (targets, queue) stays local.
 
-        ``update_both`` additionally shares the target branch (FedBYOL-style "update both" variants).
+        ``with_target`` additionally shares the target branch (the strategy option ``aggregate_target``,
+        EasyFL's "aggregate the target too"). The paper's update-both shares nothing more: the client copies
+        the received online weights into its target.
         """
         prefixes = ONLINE_PREFIXES
         if self.has_predictor:
             prefixes = prefixes + (PREDICTOR_PREFIX,)
-        if update_both and self.has_target:
+        if with_target and self.has_target:
             prefixes = prefixes + TARGET_PREFIXES
         return prefixes
 

@@ -15,8 +15,10 @@ permutation does not change, so shuffling would be a no-op here.
 
 By default the key encoder and queue stay purely local across rounds (the FedMoCo of the FedEMA paper:
 the momentum encoder is not replaced by the global model). ``reset_target_on_new_global=True`` instead copies
-the freshly received query encoder into the key encoder at the start of each round (an option; do not combine
-it with the update-both variant, which would overwrite the averaged key encoder it just received).
+the freshly received query encoder into the key encoder at the start of each round: the same as the strategy
+option ``update_both`` (which does it for every method with a target). Do not combine it with
+``aggregate_target``: it would overwrite the averaged key encoder the client just received. The queue is
+never exchanged.
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ class CifarResNet(nn.Module):
                 f"({len(widths)} stages) must have the same length"
             )
         stem_channels = widths[0]
+        self.input_norm: nn.Module = nn.Identity()  # InputNormalization when the experiment normalises inputs
         self.stem = nn.Sequential(
             nn.Conv2d(3, stem_channels, 3, stride=1, padding=1, bias=False),
             nn.BatchNorm2d(stem_channels),
@@ -123,7 +124,7 @@ class CifarResNet(nn.Module):
         self.feature_dim = in_channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
+        x = self.stem(self.input_norm(x))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.flatten(self.pool(x))
 
