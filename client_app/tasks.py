@@ -23,8 +23,9 @@ from ssl_models.factory import build_ssl_model, load_partial_state, reset_target
     state_to_numpy
 from ssl_models.methods.losses import proximal_term
 from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.cka import feature_alignment_loss
 from ssl_models.federated.kernel_alignment import (KernelAligner, client_kernel, decode_kernel, encode_kernel,
-                                                   kernel_cka, rad_representations)
+                                                   kernel_cka, normalize_kernel, rad_representations)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.data.splits import client_images, images_digest
 from ssl_models.training import TrainStats, resolve_device, train_ssl
@@ -361,8 +362,11 @@ def kernel_round(
                            epoch_hook=aligner.on_epoch_start if aligner else None, log=log)
     features = rad_representations(method, rad, representation, device=device,
                                    batch_size=int(options["rad_forward_batch"]))
-    k = client_kernel(features, kernel, float(options["rbf_threshold"]))
-    if target is not None:
+    k = normalize_kernel(client_kernel(features, kernel, float(options["rbf_threshold"])),
+                         str(options["kernel_normalization"]))
+    if aligner is not None and aligner.centered_target is not None:  # linear kernel: no new N x N temporaries
+        info["cka_end"] = 1.0 - float(feature_alignment_loss(features, aligner.centered_target))
+    elif target is not None:
         info["cka_end"] = kernel_cka(k, target)
     if aligner is not None:
         info.update(aligned=True, cka_start=aligner.stats.ckas[0] if aligner.stats.ckas else None,

@@ -35,8 +35,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ssl_models.data.splits import images_digest, public_images
-from ssl_models.federated.kernel_alignment import (KERNEL_FUNCTIONS, KERNEL_WEIGHTS, REFRESH_MODES, REPRESENTATIONS,
-                                                   average_kernels, check_kernel_payload, encode_kernel)
+from ssl_models.federated.kernel_alignment import (KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
+                                                   REFRESH_MODES, REPRESENTATIONS, average_kernels,
+                                                   check_kernel_payload, encode_kernel)
 from ssl_models.federated.similarity import ENCODING_MODES, TOPK
 
 from .fedssl import FedSSL, ModelToEvaluate
@@ -85,6 +86,9 @@ class HeteroSSFL(FedSSL):
             "kernel_encoding": "dense-fp32",  # dense-fp32 | dense-fp16 | topk (FLESD's top-n% rows), both ways
             "topk_fraction": 0.1,
             "kernel_weights": "uniform",  # uniform | data_size (w_j proportional to client j's images)
+            # none: raw K = A A^T (the paper; a client with larger representations weighs more in K_bar) |
+            # frobenius: each client scales its kernel to ||H K H||_F = 1 before upload (CKA is scale-free)
+            "kernel_normalization": "none",
             "refresh": "epoch",  # when A_k is recomputed: epoch (the paper) | steps | minibatch
             "refresh_steps": 1,  # refresh: steps
             "rad_batch_size": 256,  # refresh: minibatch
@@ -101,6 +105,7 @@ class HeteroSSFL(FedSSL):
         check_choice(options, "kernel", KERNEL_FUNCTIONS)
         check_choice(options, "kernel_encoding", ENCODING_MODES)
         check_choice(options, "kernel_weights", KERNEL_WEIGHTS)
+        check_choice(options, "kernel_normalization", KERNEL_NORMALIZATIONS)
         check_choice(options, "refresh", REFRESH_MODES)
         if not options["mu"] >= 0:
             raise ValueError(f"strategy.options.mu: must be >= 0 (got {options['mu']!r})")
@@ -125,20 +130,43 @@ class HeteroSSFL(FedSSL):
         self.rad_size = len(rad)
         self.rad_digest = images_digest(rad)
         del rad  # the server needs only the digest: clients compute the kernels
-        root = self.state_dir or "."
-        self.kernels = DiskStateStore(f"{root}/server-kernels")  # each client's latest kernel, on disk
-        self.encoders = DiskStateStore(f"{root}/server-encoders")  # fetched encoders, for evaluation only
-        self.kernels.clear()
+        self.init_kernel_store(self.rad_size)
+        self.encoders = DiskStateStore(f"{self.state_dir or '.'}/server-encoders")  # fetched encoders, for evaluation
         self.encoders.clear()
-        self.kernel_info: dict[int, dict[str, int]] = {}  # pid -> {"round", "num_examples"} (small, in memory)
-        self.kbar_record = ArrayRecord()  # K_bar in transport form; empty before the first kernels
-        self.kbar_clients: list[int] = []
         self.trained: dict[int, int] = {}  # pid -> rounds trained (successful replies)
         self.fetched: dict[int, str] = {}  # pid -> arch of the encoders held in self.encoders
         self.eval_bytes: dict[int, int] = {}
-        self._kbar_stats: dict[int, dict[str, Any]] = {}
         log(INFO, "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s", self.rad_size,
             self.rad_digest[:16], [cfg.client_arch(i) for i in range(cfg.federation.num_clients)])
+
+    def init_kernel_store(self, rad_size: int) -> None:
+        """An empty store of the clients' kernels for a RAD of ``rad_size`` images (each client's latest kernel,
+        one file per client under ``<state_dir>/server-kernels``), and no K_bar yet."""
+        self.rad_size = rad_size
+        self.kernels = DiskStateStore(f"{self.state_dir or '.'}/server-kernels")
+        self.kernels.clear()
+        self.kernel_info: dict[int, dict[str, int]] = {}  # pid -> {"round", "num_examples"} (small, in memory)
+        self.kbar_record = ArrayRecord()  # K_bar in transport form; empty before the first kernels
+        self.kbar_clients: list[int] = []
+        self._kbar_stats: dict[int, dict[str, Any]] = {}
+
+    def store_kernel(self, pid: int, payload: Mapping[str, np.ndarray], server_round: int, num_examples: int) -> None:
+        """Keep ``payload`` (an ``encode_kernel`` payload) as client ``pid``'s latest kernel, on disk."""
+        payload = dict(payload)
+        check_kernel_payload(payload, self.rad_size)
+        payload[META_ROUND] = _scalar(server_round)
+        payload[META_EXAMPLES] = _scalar(num_examples)
+        self.kernels.save(pid, payload)
+        self.kernel_info[pid] = {"round": int(server_round), "num_examples": int(num_examples)}
+
+    def update_kbar(self) -> None:
+        """K_bar over the latest kernel of every client, streamed from disk one kernel at a time, kept only in
+        its transport form (``kbar_record``)."""
+        kbar = average_kernels(self._stored_kernels(), self.rad_size)
+        encoding = str(self.options["kernel_encoding"])
+        fraction = float(self.options["topk_fraction"]) if encoding == TOPK else None
+        self.kbar_record = to_array_record(encode_kernel(kbar, encoding, fraction))
+        self.kbar_clients = sorted(self.kernel_info)
 
     def exchange_prefixes(self, method) -> tuple[str, ...]:
         return ()  # no global model: no weights travel in training rounds
@@ -160,22 +188,11 @@ class HeteroSSFL(FedSSL):
         """Keep each client's new kernel on disk, then form the next K_bar over the latest kernel of every
         client. Returns None: there is no global model."""
         for reply, client in zip(replies, clients):
-            pid = client["id"]
-            payload = dict(from_array_record(reply.content[KERNEL_RECORD]))
-            check_kernel_payload(payload, self.rad_size)
-            payload[META_ROUND] = _scalar(server_round)
-            payload[META_EXAMPLES] = _scalar(client["num_examples"])
-            self.kernels.save(pid, payload)
-            self.kernel_info[pid] = {"round": server_round, "num_examples": int(client["num_examples"])}
-            self.trained[pid] = self.trained.get(pid, 0) + 1
+            self.store_kernel(client["id"], from_array_record(reply.content[KERNEL_RECORD]), server_round,
+                              client["num_examples"])
+            self.trained[client["id"]] = self.trained.get(client["id"], 0) + 1
         t0 = time.perf_counter()
-        kbar = average_kernels(self._stored_kernels(), self.rad_size)
-        o = self.options
-        encoding = str(o["kernel_encoding"])
-        self.kbar_record = to_array_record(
-            encode_kernel(kbar, encoding, float(o["topk_fraction"]) if encoding == TOPK else None))
-        del kbar
-        self.kbar_clients = sorted(self.kernel_info)
+        self.update_kbar()
         self._kbar_stats.setdefault(server_round, {}).update(
             kernel_average_s=time.perf_counter() - t0, kernels_stored=len(self.kernel_info),
             kernel_store_mib=self.kernels.size_bytes() / 2**20)
@@ -282,6 +299,7 @@ class HeteroSSFL(FedSSL):
             "heterossfl": {"mu": self.options["mu"], "representation": self.options["representation"],
                            "kernel": self.options["kernel"], "kernel_encoding": self.options["kernel_encoding"],
                            "kernel_weights": self.options["kernel_weights"], "refresh": self.options["refresh"],
+                           "kernel_normalization": self.options["kernel_normalization"],
                            "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see README)",
                            "round_1": "local SSL only (no kernel yet)"},
         }

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from ssl_models.federated.cka import (center_kernel, cka, kernel_alignment_loss, linear_cka, linear_kernel,
-                                      rbf_cka, rbf_kernel)
+from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss, linear_cka,
+                                      linear_kernel, rbf_cka, rbf_kernel)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,18 @@ def test_bad_shapes_are_refused():
         linear_cka(torch.ones(4, 3), torch.ones(5, 3))
     with pytest.raises(ValueError, match="threshold"):
         rbf_kernel(torch.ones(4, 3), threshold=0)
+
+
+def test_feature_form_alignment_loss_equals_the_gram_form_and_its_gradient():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(25, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    target = linear_kernel(torch.randn(25, 9, generator=g, dtype=torch.float64))
+    gram = kernel_alignment_loss(linear_kernel(a), target)
+    feature = feature_alignment_loss(a, center_kernel(target))
+    assert float(feature) == pytest.approx(float(gram), abs=1e-12)
+    (g1,) = torch.autograd.grad(gram, a)
+    (g2,) = torch.autograd.grad(feature, a)
+    torch.testing.assert_close(g1, g2)
+    assert torch.autograd.gradcheck(lambda f: feature_alignment_loss(f, center_kernel(target)), (a,))
+    with pytest.raises(ValueError, match="features have 25 rows"):
+        feature_alignment_loss(a, torch.eye(24, dtype=torch.float64))

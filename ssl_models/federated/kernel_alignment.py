@@ -27,8 +27,10 @@ against the matching sub-block of ``K_bar`` (cheap for a large RAD; a noisier es
 
 The full-RAD gradient is computed without holding the RAD's activations: a no-grad pass gives ``A`` (N, d), the
 gradient ``G = dL/dA`` is cheap (it lives in feature space), then the RAD is forwarded again chunk by chunk and
-``<A_chunk, G_chunk>`` is differentiated into the parameters. Peak memory: one chunk's activations plus a few
-N x N float32 matrices.
+``<A_chunk, G_chunk>`` is differentiated into the parameters. For the linear kernel the loss is evaluated in
+feature form against ``H K_bar H`` (centred once per round; ``cka.feature_alignment_loss``), so the client holds
+K_bar, its centred copy and (N, d) matrices, never an N x N kernel of its own with autograd buffers. Peak memory:
+one chunk's activations plus those.
 
 Transport reuses FLESD's encodings (``ssl_models.federated.similarity``: ``dense-fp32``, ``dense-fp16``,
 ``topk``) plus one float32 ``scale``: fp16 and top-n% kernels are sent as ``K / max|K|`` (a raw ``A A^T`` can
@@ -47,13 +49,15 @@ import torch
 from torch import nn
 
 from ssl_models.data.augment import to_float_nchw
-from ssl_models.federated.cka import cka, kernel_alignment_loss, linear_kernel, rbf_kernel
+from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss,
+                                      linear_kernel, rbf_kernel)
 from ssl_models.federated.similarity import DENSE_FP32, ENCODING_MODES, TOPK, decode_similarity, encode_similarity
 
 REPRESENTATIONS = ("predictor", "projector", "backbone")
 KERNEL_FUNCTIONS = ("linear", "rbf")
 REFRESH_MODES = ("epoch", "steps", "minibatch")
 KERNEL_WEIGHTS = ("uniform", "data_size")
+KERNEL_NORMALIZATIONS = ("none", "frobenius")
 SCALE_KEY = "scale"
 DEFAULT_FORWARD_BATCH = 256
 DEFAULT_CHUNK_ROWS = 1024
@@ -122,6 +126,18 @@ def client_kernel(features: torch.Tensor, kernel: str = "linear", rbf_threshold:
     with torch.autocast(device_type=features.device.type, enabled=False):
         a = features.float()
         return linear_kernel(a) if kernel == "linear" else rbf_kernel(a, rbf_threshold)
+
+
+def normalize_kernel(kernel: torch.Tensor, normalization: str) -> torch.Tensor:
+    """``none``: the kernel as it is (the paper: K_bar then weighs each client by the size of its representations);
+    ``frobenius``: ``K / ||H K H||_F``, so every client enters K_bar with its own weight only. A client's CKA to
+    anything is unchanged either way (CKA is invariant to the kernel's scale)."""
+    if normalization not in KERNEL_NORMALIZATIONS:
+        raise ValueError(f"kernel normalization must be one of {KERNEL_NORMALIZATIONS}, got {normalization!r}")
+    if normalization == "none":
+        return kernel
+    norm = float(torch.linalg.matrix_norm(center_kernel(kernel.float())))
+    return kernel / norm if norm > 0 else kernel
 
 
 # ------------------------------------------------------------------------------------------------ transport
@@ -260,6 +276,9 @@ class KernelAligner:
         if refresh == "minibatch" and rad_batch_size < 4:
             raise ValueError(f"rad_batch_size must be >= 4 for a CKA on a minibatch, got {rad_batch_size}")
         self.target = target_kernel.detach().to(self.device, torch.float32)
+        # Linear kernel on the whole RAD: the loss in feature form against H K_bar H, centred once here, so the
+        # client never builds (or differentiates through) an N x N matrix of its own.
+        self.centered_target = center_kernel(self.target) if kernel == "linear" and refresh != "minibatch" else None
         self.mu = float(mu)
         self.representation, self.kernel, self.rbf_threshold = representation, kernel, float(rbf_threshold)
         self.refresh, self.refresh_steps = refresh, refresh_steps
@@ -291,8 +310,10 @@ class KernelAligner:
 
     # ---------------------------------------------------------------- computations
     def _kernel_loss(self, features: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
-        k = client_kernel(features, self.kernel, self.rbf_threshold)
-        loss = kernel_alignment_loss(k, target)
+        if self.centered_target is not None and target is self.target:
+            loss = feature_alignment_loss(features, self.centered_target)
+        else:
+            loss = kernel_alignment_loss(client_kernel(features, self.kernel, self.rbf_threshold), target)
         return self.mu * loss, 1.0 - float(loss.detach())
 
     def _record(self, value: float, similarity: float) -> None:
