@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_flesd import MIB, PeakWindow, flower_bytes, in_fresh_process, shown_command  # noqa: E402
 from ssl_models.factory import split_state, state_to_numpy  # noqa: E402
-from ssl_models.federated.cka import kernel_alignment_loss  # noqa: E402
+from ssl_models.federated.cka import center_kernel, feature_alignment_loss, kernel_alignment_loss  # noqa: E402
 from ssl_models.federated.kernel_alignment import client_kernel, encode_kernel  # noqa: E402
 from ssl_models.federated.similarity import DENSE_FP16, DENSE_FP32, TOPK  # noqa: E402
 from ssl_models.methods import build_method  # noqa: E402
@@ -109,17 +109,23 @@ def server_case(n: int, clients: int, mode: str, fraction: float | None, threads
 
 
 # ------------------------------------------------------------------------------------------------ part 3
-def client_case(n: int, threads: int) -> dict[str, Any]:
-    """In a fresh process: K_bar decoded (as received), then kernel + loss + dL/dA of the alignment term measured."""
+def client_case(n: int, form: str, threads: int) -> dict[str, Any]:
+    """In a fresh process: K_bar as received (and, for the feature form, H K_bar H, centred once per round as
+    ``KernelAligner`` does), then the alignment term and dL/dA measured, in the feature form (what the client
+    runs for the linear kernel) or the Gram form (``kernel_alignment_loss`` on A A^T: the RBF path)."""
     torch.set_num_threads(threads)
     target = random_kernel(n, seed=1)
+    centered = center_kernel(target) if form == "feature" else None
     features = torch.randn(n, FEATURE_DIM, generator=torch.Generator().manual_seed(2))
     with PeakWindow() as window:
         a = features.clone().requires_grad_(True)
-        loss = 0.5 * kernel_alignment_loss(client_kernel(a), target)
+        if form == "feature":
+            loss = 0.5 * feature_alignment_loss(a, centered)
+        else:
+            loss = 0.5 * kernel_alignment_loss(client_kernel(a), target)
         (grad,) = torch.autograd.grad(loss, a)
     assert grad.shape == a.shape and bool(torch.isfinite(grad).all())
-    return {"n": n, "feature_dim": FEATURE_DIM, "loss": float(loss.detach()), **window.report(n)}
+    return {"n": n, "form": form, "feature_dim": FEATURE_DIM, "loss": float(loss.detach()), **window.report(n)}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -181,13 +187,17 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             for m, v in by_mode.items()) + ". Flat in K: the accumulator (1.0), one client's kernel as read "
             "from disk (fp32 1.0, fp16 0.5, top-n% small), the encoded K_bar and its serialised record.", ""]
     if "client" in results:
-        c = results["client"]
         lines += ["## 3. Client: the alignment term's N x N part", "",
-                  f"N = {c['n']:,}, A ({c['n']:,}, {c['feature_dim']}) float32: kernel A A^T, 0.5 (1 - CKA(K, K_bar)) "
-                  f"and dL/dA: peak - baseline {c['delta_mib']:.0f} MiB = {c['delta_in_n2_float32']:.2f} N^2 float32 "
-                  f"({c['seconds']:.1f} s under load), on top of the received K_bar (1.0 N^2 float32, in the "
-                  "baseline). With `refresh: epoch` this runs once per local epoch; the network's backward runs chunk "
-                  "by chunk of `rad_forward_batch` RAD images.", ""]
+                  f"A ({n:,}, {FEATURE_DIM}) float32; the window covers 0.5 (1 - CKA(A A^T, K_bar)) and dL/dA. The "
+                  "received K_bar (1.0 N^2 float32) and, for the feature form, H K_bar H (1.0, centred once per "
+                  "round) are in the baseline. With `refresh: epoch` this runs once per local epoch; the network's "
+                  "backward then runs chunk by chunk of `rad_forward_batch` RAD images.", "",
+                  "| form | peak - baseline MiB | in N^2 float32 | s (under load) |", "|---|---|---|---|"]
+        for c in results["client"]:
+            what = ("feature form (linear kernel, what clients run)" if c["form"] == "feature"
+                    else "Gram form on A A^T (the RBF-kernel path)")
+            lines.append(f"| {what} | {c['delta_mib']:.0f} | {c['delta_in_n2_float32']:.2f} | {c['seconds']:.1f} |")
+        lines.append("")
     lines.append(f"Total run time {results['total_s']:.0f} s. Peak reset accepted in every case: "
                  f"{results.get('peak_reset_ok_all')}.")
     path.write_text("\n".join(lines) + "\n")
@@ -221,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             results["server"].append(row)
             print(json.dumps(row), flush=True)
     print("client alignment term ...", flush=True)
-    results["client"] = in_fresh_process(client_case, args.n, threads)
-    cases = results["server"] + [results["client"]]
+    results["client"] = [in_fresh_process(client_case, args.n, form, threads) for form in ("feature", "gram")]
+    cases = results["server"] + results["client"]
     results["peak_reset_ok_all"] = all(c["peak_reset_ok"] for c in cases)
     results["load_end"] = os.getloadavg()[0]
     results["total_s"] = time.perf_counter() - t0

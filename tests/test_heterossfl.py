@@ -325,12 +325,13 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
     assert all(isinstance(v, int) for info in strategy.kernel_info.values() for v in info.values())
 
 
-def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_path):
+@pytest.mark.parametrize("state", ["memory", "disk", "server"])
+def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_path, state):
     cfg = tiny(**{"federation.num_clients": 3, "model.client_archs": ["resnet18", "resnet34", "resnet18"],
-                  "strategy.options": {**OPTIONS, "client_state": "memory", "rad_forward_batch": 16}})
+                  "strategy.options": {**OPTIONS, "client_state": state, "rad_forward_batch": 16}})
     nodes = {200 + pid: pid for pid in range(3)}
     grid = LoopbackGrid(nodes)
-    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, client_state="memory",
+    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, client_state=state,
                              rad_forward_batch=16)
     base = ConfigRecord({"experiment": cfg.to_json()})
     for rnd in (1, 2):
@@ -347,9 +348,14 @@ def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_pat
     # recorded apart from the kernels' N^2 bytes of the round.
     queries = [m for m in grid.sent if m.metadata.message_type == "query.encoder"]
     trained = sorted(strategy.trained)
-    assert sorted(nodes[m.metadata.dst_node_id] for m in queries) == trained
-    assert record["eval_bytes_up"] > 0 and record["eval_clients"] == len(trained)
-    assert record["bytes_up"] == record["kernel_bytes_up"]
+    assert record["eval_clients"] == len(trained)
+    if state == "server":  # the server holds every client's state: no query, no bytes; the state rides along
+        assert queries == [] and record["eval_bytes_up"] == 0 and record["bytes_up"] > record["kernel_bytes_up"]
+    else:
+        assert sorted(nodes[m.metadata.dst_node_id] for m in queries) == trained
+        assert record["eval_bytes_up"] > 0 and record["bytes_up"] == record["kernel_bytes_up"]
+    if state == "disk":
+        assert not any(ctx.state.array_records for ctx in grid.contexts.values())  # nothing in node memory
     assert "eval_bytes_up" not in strategy.round_records[1]  # round 1 is no evaluation round
     models = strategy.models_to_evaluate(to_array_record({}))
     assert list(models) == [f"client_{pid}" for pid in trained]

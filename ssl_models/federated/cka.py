@@ -195,4 +195,5 @@ def feature_alignment_loss(features: torch.Tensor, centered_target: torch.Tensor
         a = a - a.mean(dim=0, keepdim=True)
         target = centered_target.detach().to(device=features.device, dtype=dtype)
         hsic = (a * (target @ a)).sum()
-        return 1.0 - hsic / (_frobenius(a.t() @ a) * _frobenius(target) + eps)
+        target_norm = torch.linalg.vector_norm(target)  # a constant; a reduction, no n x n temporary
+        return 1.0 - hsic / (_frobenius(a.t() @ a) * target_norm + eps)
