@@ -138,8 +138,8 @@ def write_tables(results: dict, out: Path) -> None:
              f"`configs/heterossfl/cpu-compare.yaml` ({results['rounds']} rounds x {t['local_epochs']} local epochs, "
              f"batch {t['batch_size']}; {base['federation']['num_clients']} clients {archs} at width "
              f"{base['model']['width']}, {d['classes_per_client']} CIFAR-10 classes each, "
-             f"{int(d['max_train'] - d['public_size'])} client images, RAD of {int(d['public_size'])} images; BYOL; "
-             f"mu {base['strategy']['options']['mu']}). Scores: linear probe / kNN of each client's own encoder on "
+             f"{int(d['max_train'] - d['public_size'])} client images, RAD of {int(d['public_size'])} images; "
+             f"{base['method']['name']}; mu {base['strategy']['options']['mu']}). Scores: linear probe / kNN of each client's own encoder on "
              f"{base['eval']['max_train']} labelled train and {base['eval']['max_test']} dev-test images (CIFAR-10 "
              "dev copy, JPEG-derived: relative comparison only). Client rows: mean over that architecture's "
              f"clients, then mean ± std over seeds {', '.join(map(str, seeds))}.", "",
