@@ -148,7 +148,9 @@ def write_tables(results: dict, out: Path) -> None:
         rand = [100 * r["random_init"][arch]["linear_probe_acc"] for r in results["runs"] if "random_init" in r]
         rand_knn = [100 * r["random_init"][arch]["knn_acc"] for r in results["runs"] if "random_init" in r]
         lines.append(f"| {arch} | random init | {mean_std(rand)} | {mean_std(rand_knn)} | - |")
-        for variant, label in (("local", "local SSL (strategy local)"), ("heterossfl", "Hetero-SSFL")):
+        hetero = sorted({r["variant"] for r in results["runs"] if r["variant"].startswith("heterossfl")})
+        for variant, label in [("local", "local SSL (strategy local)")] + [
+                (v, "Hetero-SSFL" + v[len("heterossfl"):]) for v in hetero]:
             rs = [r for r in results["runs"] if r["variant"] == variant]
             per_seed = [r["by_arch"].get(arch, {}) for r in rs]
             lp = [statistics.mean(s["linear_probe_acc"]) for s in per_seed if s.get("linear_probe_acc")]
@@ -178,7 +180,7 @@ def write_tables(results: dict, out: Path) -> None:
         lines += ["", "Alignment (Hetero-SSFL): mean CKA(K_k, K_bar) of the round's clients at their first refresh "
                   "(before local training) and after it:", ""]
         for r in curves:
-            lines.append(f"- seed {r['seed']}: " + "; ".join(
+            lines.append(f"- {r['variant']}, seed {r['seed']}: " + "; ".join(
                 f"r{c['round']} {c['cka_start']:.3f} -> {c['cka_end']:.3f}" for c in r["alignment"]))
     lines += ["", "Bytes: Hetero-SSFL moves one N_RAD^2 kernel each way per client and round (`up`/`down`; round 1 "
               "has nothing to send down) and the encoders only for evaluation (`eval MiB up`); the local-SSL run "
@@ -198,25 +200,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--semi-supervised", default="", help="label fractions for fedssl-eval, e.g. 0.01,0.1")
     ap.add_argument("--pilot", action="store_true", help="label the results as a pilot")
     ap.add_argument("--note", action="append", default=[], help="a sentence added under the tables")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting of the Hetero-SSFL run (dotted YAML key, YAML value), e.g. "
+                         "strategy.options.refresh=minibatch; the variant is named after the overrides")
+    ap.add_argument("--results", default=None, help="add the runs to this earlier results JSON (same config)")
     ap.add_argument("--out", default=str(RESULTS / "heterossfl_cpu_compare"))
     args = ap.parse_args(argv)
     base = yaml.safe_load(CONFIG.read_text())
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if not key.startswith("strategy.options.") or not value:
+            ap.error(f"--set {item!r}: expected strategy.options.<name>=<value>")
+        overrides[key[len("strategy.options."):]] = yaml.safe_load(value)
+    hetero_name = "heterossfl" + (" (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")" if overrides else "")
     data = str(Path(args.data).resolve())
     command = (f"python benchmarks/compare_heterossfl_cpu.py --data {Path(args.data).name} --seeds "
                + " ".join(map(str, args.seeds)) + (f" --rounds {args.rounds}" if args.rounds else "")
                + (" --pilot" if args.pilot else ""))
+    command += "".join(f" --set {item}" for item in args.set)
     results: dict[str, Any] = {"command": command, "config": base, "rounds": args.rounds or base["rounds"],
                                "pilot": args.pilot, "notes": args.note, "runs": []}
+    if args.results:  # continue an earlier results file: keep its runs, commands and notes
+        earlier = json.loads(Path(args.results).read_text())
+        results["runs"] = earlier["runs"]
+        results["command"] = earlier["command"] + "; then " + command
+        results["notes"] = earlier.get("notes", []) + args.note
     archs = base["model"]["client_archs"]
     out = Path(args.out)
     for seed in args.seeds:
         configs = variant_configs(base, seed, data, args.rounds)
-        t0 = time.perf_counter()
-        rand = random_init_scores(configs["heterossfl"])
-        results["runs"].append({"variant": "random-init", "seed": seed, "random_init": rand,
-                                "run_s": time.perf_counter() - t0})
-        print(json.dumps(results["runs"][-1]), flush=True)
-        write_tables(results, out)
+        configs[hetero_name] = configs.pop("heterossfl")
+        configs[hetero_name]["strategy"]["options"].update(overrides)
+        if not any(r["variant"] == "random-init" and r["seed"] == seed for r in results["runs"]):
+            t0 = time.perf_counter()
+            rand = random_init_scores(configs[hetero_name])
+            results["runs"].append({"variant": "random-init", "seed": seed, "random_init": rand,
+                                    "run_s": time.perf_counter() - t0})
+            print(json.dumps(results["runs"][-1]), flush=True)
+            write_tables(results, out)
         for variant, raw in configs.items():
             if args.variants and variant not in args.variants:
                 continue
@@ -232,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 if s.get("scores_by_model"):
                     run["per_client"] = s["scores_by_model"]
                     run["by_arch"] = client_rows(s, archs)
-                if variant == "heterossfl":
+                if variant.startswith("heterossfl"):
                     run["alignment"] = alignment_curve(res["rounds"])
                 if args.semi_supervised and s.get("scores_by_model"):
                     run["semi_supervised"] = semi_supervised(Path(keep) / "out", data, args.semi_supervised,

@@ -426,3 +426,24 @@ def test_architectures_drawn_from_the_pool_with_the_seed():
     assert archs(0) == archs(0)  # the server and every client draw the same list
     assert archs(0) != archs(1)
     assert set(archs(0)) == {"resnet18", "resnet34"}
+
+
+def test_without_alignment_a_client_trains_exactly_as_local_ssl():
+    """mu = 0: the same initial weights, data order and steps as `strategy: local`, so any difference between the
+    two strategies' encoders comes from the alignment term alone."""
+    cfg = tiny()
+    rad = public_images(cfg)
+    opts = {**OPTIONS, "mu": 0.0, "rad_forward_batch": 16}
+    for pid in (0, 1):
+        hetero = kernel_round(cfg, client_images(cfg, pid), rad, None, None, server_round=1, partition_id=pid, lr=0.05,
+                              rad_digest=images_digest(rad), options=opts)
+        kbar = encode_kernel(decode_kernel(hetero.payload, len(rad)), "dense-fp32")
+        hetero = kernel_round(cfg, client_images(cfg, pid), rad, kbar, hetero.client_state, server_round=2,
+                              partition_id=pid, lr=0.05, rad_digest=images_digest(rad), options=opts)
+        local = train_local_ssl(cfg, client_images(cfg, pid), {}, None, server_round=1, partition_id=pid, lr=0.05,
+                                rule="local")
+        local = train_local_ssl(cfg, client_images(cfg, pid), {}, local.client_state, server_round=2,
+                                partition_id=pid, lr=0.05, rule="local")
+        assert not hetero.info["aligned"]
+        for key, value in local.local_state.items():
+            np.testing.assert_allclose(hetero.client_state[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
