@@ -5,13 +5,16 @@ Rows per architecture (ResNet-18 and ResNet-34 clients of `configs/heterossfl/cp
   from), scored with the same protocol (`ServerEvaluator`, i.e. `evaluate_backbone` on the config's eval subsets);
 - local SSL: `strategy: local`, the same clients, architectures, data, initial weights and local training, no
   collaboration;
-- Hetero-SSFL: the config as it is;
+- Hetero-SSFL: the config as it is, and a variant with the exact per-step alignment on RAD minibatches;
 - centralized: one `strategy: central` run per architecture on the clients' pooled data, when that strategy exists
   on this branch (else the row says it is pending).
 Each federated run is a real `flwr run .` simulation (seeds from --seeds); the client rows are the mean (and
 minimum) over that architecture's clients. Writes benchmarks/results/heterossfl_cpu_compare.{json,md}, updated
 after every run. With --semi-supervised 0.01,0.1 every saved client encoder is also fine-tuned on those label
 fractions by `fedssl-eval` (slow on a CPU).
+
+Two Hetero-SSFL variants run by default (``--hetero``): the config as it is (A_k recomputed once per local epoch)
+and ``refresh=minibatch,rad_batch_size=128`` (the exact alignment gradient at every step on a RAD minibatch).
 
 Usage: python benchmarks/compare_heterossfl_cpu.py --data /path/cifar10.npz [--seeds 0 1 2] [--rounds R]
 """
@@ -37,6 +40,9 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = REPO / "configs" / "heterossfl" / "cpu-compare.yaml"
 SCORES = ("linear_probe_acc", "knn_acc")
+# Hetero-SSFL runs of every seed: the config as it is (A_k once per local epoch, the paper's Algorithm 1) and the
+# exact per-step alignment on RAD minibatches (the better of the two in the one-seed pilot).
+HETERO_VARIANTS = ("", "refresh=minibatch,rad_batch_size=128")
 
 
 def variant_configs(base: dict, seed: int, data: str, rounds: int | None) -> dict[str, dict]:
@@ -149,8 +155,9 @@ def write_tables(results: dict, out: Path) -> None:
         rand_knn = [100 * r["random_init"][arch]["knn_acc"] for r in results["runs"] if "random_init" in r]
         lines.append(f"| {arch} | random init | {mean_std(rand)} | {mean_std(rand_knn)} | - |")
         hetero = sorted({r["variant"] for r in results["runs"] if r["variant"].startswith("heterossfl")})
+        plain = f"Hetero-SSFL (the config: refresh={base['strategy']['options'].get('refresh', 'epoch')})"
         for variant, label in [("local", "local SSL (strategy local)")] + [
-                (v, "Hetero-SSFL" + v[len("heterossfl"):]) for v in hetero]:
+                (v, "Hetero-SSFL" + v[len("heterossfl"):] if v != "heterossfl" else plain) for v in hetero]:
             rs = [r for r in results["runs"] if r["variant"] == variant]
             per_seed = [r["by_arch"].get(arch, {}) for r in rs]
             lp = [statistics.mean(s["linear_probe_acc"]) for s in per_seed if s.get("linear_probe_acc")]
@@ -200,41 +207,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--semi-supervised", default="", help="label fractions for fedssl-eval, e.g. 0.01,0.1")
     ap.add_argument("--pilot", action="store_true", help="label the results as a pilot")
     ap.add_argument("--note", action="append", default=[], help="a sentence added under the tables")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting of the Hetero-SSFL run (dotted YAML key, YAML value), e.g. "
-                         "strategy.options.refresh=minibatch; the variant is named after the overrides")
+    ap.add_argument("--hetero", action="append", default=None, metavar="OPTIONS",
+                    help="a Hetero-SSFL variant: strategy options over the config's, 'name=value,...' ('' = the "
+                         f"config as it is); repeatable (default: {' and '.join(repr(v) for v in HETERO_VARIANTS)})")
     ap.add_argument("--results", default=None, help="add the runs to this earlier results JSON (same config)")
     ap.add_argument("--out", default=str(RESULTS / "heterossfl_cpu_compare"))
     args = ap.parse_args(argv)
     base = yaml.safe_load(CONFIG.read_text())
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if not key.startswith("strategy.options.") or not value:
-            ap.error(f"--set {item!r}: expected strategy.options.<name>=<value>")
-        overrides[key[len("strategy.options."):]] = yaml.safe_load(value)
-    hetero_name = "heterossfl" + (" (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")" if overrides else "")
+    hetero = {}
+    for spec in (args.hetero if args.hetero is not None else list(HETERO_VARIANTS)):
+        overrides = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, _, value = item.partition("=")
+            if not key or not value:
+                ap.error(f"--hetero {spec!r}: expected name=value,... (strategy options)")
+            overrides[key] = yaml.safe_load(value)
+        name = "heterossfl" + (" (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")" if overrides else "")
+        hetero[name] = overrides
     data = str(Path(args.data).resolve())
     command = (f"python benchmarks/compare_heterossfl_cpu.py --data {Path(args.data).name} --seeds "
                + " ".join(map(str, args.seeds)) + (f" --rounds {args.rounds}" if args.rounds else "")
                + (" --pilot" if args.pilot else ""))
-    command += "".join(f" --set {item}" for item in args.set)
+    if args.hetero is not None:
+        command += "".join(f" --hetero '{spec}'" for spec in args.hetero)
+    if args.variants:
+        command += " --variants " + " ".join(f"'{v}'" for v in args.variants)
     results: dict[str, Any] = {"command": command, "config": base, "rounds": args.rounds or base["rounds"],
                                "pilot": args.pilot, "notes": args.note, "runs": []}
     if args.results:  # continue an earlier results file: keep its runs, commands and notes
         earlier = json.loads(Path(args.results).read_text())
         results["runs"] = earlier["runs"]
-        results["command"] = earlier["command"] + "; then " + command
+        results["command"] = earlier["command"] + "; then " + command + " --results <the first results JSON>"
         results["notes"] = earlier.get("notes", []) + args.note
     archs = base["model"]["client_archs"]
     out = Path(args.out)
     for seed in args.seeds:
         configs = variant_configs(base, seed, data, args.rounds)
-        configs[hetero_name] = configs.pop("heterossfl")
-        configs[hetero_name]["strategy"]["options"].update(overrides)
+        plain = configs.pop("heterossfl")
+        for name, overrides in hetero.items():
+            configs[name] = json.loads(json.dumps(plain))
+            configs[name]["strategy"]["options"].update(overrides)
         if not any(r["variant"] == "random-init" and r["seed"] == seed for r in results["runs"]):
             t0 = time.perf_counter()
-            rand = random_init_scores(configs[hetero_name])
+            rand = random_init_scores(plain)
             results["runs"].append({"variant": "random-init", "seed": seed, "random_init": rand,
                                     "run_s": time.perf_counter() - t0})
             print(json.dumps(results["runs"][-1]), flush=True)
