@@ -17,7 +17,7 @@ from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import load_dataset
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
-from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.factory import build_ssl_model, state_to_numpy
 from ssl_models.federated.kernel_alignment import (KernelAligner, average_kernels, check_kernel_payload,
                                                    client_kernel, decode_kernel, encode_kernel, eval_mode,
                                                    kernel_cka, normalize_kernel, rad_representations,
