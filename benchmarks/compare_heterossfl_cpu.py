@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in hetero.items():
             configs[name] = json.loads(json.dumps(plain))
             configs[name]["strategy"]["options"].update(overrides)
+            if overrides:  # a distinct run name per variant
+                configs[name]["name"] += "-" + "-".join(f"{k}-{v}" for k, v in overrides.items())
         if not any(r["variant"] == "random-init" and r["seed"] == seed for r in results["runs"]):
             t0 = time.perf_counter()
             rand = random_init_scores(plain)
