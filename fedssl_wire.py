@@ -31,12 +31,15 @@ from flwr.app import Array, ArrayRecord
 INFO_MESSAGE_TYPE = "query.info"  # which partition a node holds
 TRAIN_MESSAGE_TYPE = "train"  # a local round that uploads weights
 SIMILARITY_MESSAGE_TYPE = "train.similarity"  # FLESD: a local round that uploads a similarity matrix
+KERNEL_MESSAGE_TYPE = "train.kernel"  # Hetero-SSFL: K_bar down (under "arrays"), the client's RAD kernel up
+ENCODER_QUERY_MESSAGE_TYPE = "query.encoder"  # a client's own encoder, up, for the server's evaluation only
 
 ARRAYS_RECORD = "arrays"  # model weights, both ways
 CONFIG_RECORD = "config"  # the round's settings, down
 METRICS_RECORD = "metrics"  # the client's figures, up
 CLIENT_STATE_RECORD = "client-state"  # a client's own state in "server" client-state mode, both ways
 SIMILARITY_RECORD = "similarity"  # FLESD's similarity matrix, up
+KERNEL_RECORD = "kernel"  # Hetero-SSFL's RAD kernel K_k, up
 
 CLIENT_STATE_MODES = ("disk", "memory", "server")
 MEMORY_STATE_KEY = "local-state"  # context.state key of the "memory" client-state mode

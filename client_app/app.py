@@ -14,10 +14,10 @@ from flwr.clientapp import ClientApp
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
-from fedssl_wire import (CLIENT_STATE_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, DiskStateStore, from_array_record,
-                         to_array_record)
+from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, DiskStateStore,
+                         from_array_record, to_array_record)
 
-from .tasks import local_images, similarity_round, train_local_ssl
+from .tasks import client_encoder_state, kernel_round, local_images, similarity_round, train_local_ssl
 
 app = ClientApp()
 
@@ -158,3 +158,37 @@ def train_similarity(msg: Message, context: Context) -> Message:
                         "metrics": MetricRecord(train_metrics(r.partition_id, result.stats))})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
+
+
+@app.train("kernel")
+def train_kernel(msg: Message, context: Context) -> Message:
+    """Hetero-SSFL: local SSL on the client's own encoder aligned to the received K_bar, then upload the kernel
+    of its RAD representations."""
+    r = round_inputs(msg, context)
+    config = r.config
+    result = kernel_round(
+        r.cfg, r.images, public_images(r.cfg), from_array_record(msg.content["arrays"]),
+        load_client_state(msg, context, r.partition_id), server_round=r.server_round, partition_id=r.partition_id,
+        lr=float(config["lr"]), rad_digest=str(config["rad-digest"]), options=r.cfg.strategy.options, log=r.log,
+    )
+    metrics = train_metrics(r.partition_id, result.stats)
+    for key, value in result.info.items():  # CKA to K_bar before/after, the alignment term's mean value
+        if isinstance(value, (bool, int, float)):
+            metrics[f"align.{key}"] = float(value)
+    reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics)})
+    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
+    return Message(reply, reply_to=msg)
+
+
+@app.query("encoder")
+def query_encoder(msg: Message, context: Context) -> Message:
+    """Send this client's own encoder (online backbone) to the server, for evaluation only (Hetero-SSFL has no
+    global model to score). Refused by a client that has not trained yet."""
+    pid, _ = _partition(context)
+    state = load_client_state(msg, context, pid)
+    encoder = client_encoder_state(state)
+    if not encoder:
+        raise RuntimeError(f"client {pid} has no encoder yet (it has not trained)")
+    last = state.get("meta.last_round")
+    metrics = {"partition-id": pid, "last-round": int(last.reshape(-1)[0]) if last is not None else 0}
+    return Message(RecordDict({"arrays": to_array_record(encoder), "metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -28,6 +28,9 @@ from ssl_models.factory import build_augment, build_ssl_model, load_partial_stat
 from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
 from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.cka import feature_alignment_loss
+from ssl_models.federated.kernel_alignment import (KernelAligner, client_kernel, decode_kernel, encode_kernel,
+                                                   kernel_cka, normalize_kernel, rad_representations)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.data.splits import client_images, images_digest
 from ssl_models.training import TrainStats, resolve_device, train_ssl
@@ -190,13 +193,14 @@ DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
-                   loss_hook=None, log: Callable[[str], None] | None = None) -> TrainStats:
+                   loss_hook=None, epoch_hook=None, log: Callable[[str], None] | None = None) -> TrainStats:
     """``train_ssl`` with the experiment's local-training settings and augmentation recipe (``augment``)."""
     t = cfg.train
     return train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
                      momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
                      drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
-                     augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook, log=log)
+                     augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook, epoch_hook=epoch_hook,
+                     log=log)
 
 
 def train_local_ssl(
@@ -226,7 +230,12 @@ def train_local_ssl(
     if rule not in DOWNLOAD_RULES:
         raise ValueError(f"unknown client download rule {rule!r} (valid: {', '.join(DOWNLOAD_RULES)})")
     seed = round_seed(cfg, server_round, partition_id)
-    method = build_ssl_model(cfg, seed=seed)
+    method = build_ssl_model(cfg, seed=seed, arch=cfg.client_arch(partition_id))
+    if rule == "local" and not global_state and not _model_entries(client_state):
+        # Local SSL with mixed encoders: the server sends its initial model only to clients of model.arch; the
+        # others start from the seeded initial model of their own architecture.
+        global_state = state_to_numpy(split_state(initial_client_model(cfg, partition_id),
+                                                  method.shared_prefixes())[0])
     options = {**(rule_options or {}), "update_both": bool(update_both), "aggregate_target": bool(aggregate_target)}
     info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, options, **(rule_inputs or {}))
     method.on_new_global()
@@ -309,3 +318,97 @@ def similarity_round(
     kept = state_to_numpy(method.cpu().state_dict())
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
     return SimilarityRoundResult(payload, kept, stats)
+
+
+# ---------------------------------------------------------------------- Hetero-SSFL: kernel upload
+
+
+@dataclass
+class KernelRoundResult:
+    payload: dict[str, np.ndarray]  # the client's RAD kernel in transport form
+    client_state: dict[str, np.ndarray]
+    stats: TrainStats
+    info: dict[str, Any] = field(default_factory=dict)  # alignment figures (CKA to K_bar before/after, ...)
+
+
+def initial_client_model(cfg: ExperimentConfig, partition_id: int):
+    """A client's starting model when it has no state yet: its own architecture, initialised from the experiment
+    seed, so every client of one architecture starts from the same weights (what a server would send) and a
+    random-init reference is the same network."""
+    return build_ssl_model(cfg, seed=cfg.seed, arch=cfg.client_arch(partition_id))
+
+
+def check_public_set(public: np.ndarray, expected_digest: str, partition_id: int, what: str = "public set") -> None:
+    """Refuse to work on a public set (FLESD's, Hetero-SSFL's RAD) that is not the server's."""
+    digest = images_digest(public)
+    if digest != expected_digest:
+        raise PublicSetMismatch(
+            f"public set mismatch on client {partition_id}: its {len(public)} {what} images hash to {digest[:16]}, "
+            f"the server's to {expected_digest[:16]}; both must load the same data file and config")
+
+
+def kernel_round(
+    cfg: ExperimentConfig,
+    images: np.ndarray,
+    rad: np.ndarray,
+    target_payload: Mapping[str, np.ndarray] | None,
+    client_state: Mapping[str, np.ndarray] | None,
+    *,
+    server_round: int,
+    partition_id: int,
+    lr: float,
+    rad_digest: str,
+    options: Mapping[str, Any],
+    log: Callable[[str], None] | None = None,
+) -> KernelRoundResult:
+    """One Hetero-SSFL client round: local SSL on the client's own encoder (its own architecture, its own weights
+    kept between rounds) plus ``mu * (1 - CKA(K_k, K_bar))`` when the server sent a K_bar, then the kernel
+    ``K_k = A_k A_k^T`` of its RAD representations in transport form.
+
+    ``target_payload`` is the server's K_bar (an ``encode_kernel`` payload) or empty (round 1: no kernel yet, the
+    round is local SSL only). ``options`` are the strategy options (``strategies/heterossfl.py``).
+    """
+    check_public_set(rad, rad_digest, partition_id, "RAD")
+    seed = round_seed(cfg, server_round, partition_id)
+    method = initial_client_model(cfg, partition_id)
+    own = _model_entries(client_state)
+    if own:
+        load_partial_state(method, own)
+    device = resolve_device(cfg.train.device)
+    n = len(rad)
+    representation, kernel = str(options["representation"]), str(options["kernel"])
+    aligner = None
+    info: dict[str, Any] = {"aligned": False}
+    target = None
+    if target_payload:
+        target = decode_kernel(target_payload, n)
+        if float(options["mu"]) > 0:
+            aligner = KernelAligner(
+                rad, target, mu=float(options["mu"]), representation=representation, kernel=kernel,
+                rbf_threshold=float(options["rbf_threshold"]), refresh=str(options["refresh"]),
+                refresh_steps=int(options["refresh_steps"]), rad_batch_size=int(options["rad_batch_size"]),
+                forward_batch_size=int(options["rad_forward_batch"]), device=device, seed=seed)
+    stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
+                           loss_hook=aligner.loss if aligner else None,
+                           epoch_hook=aligner.on_epoch_start if aligner else None, log=log)
+    features = rad_representations(method, rad, representation, device=device,
+                                   batch_size=int(options["rad_forward_batch"]))
+    k = normalize_kernel(client_kernel(features, kernel, float(options["rbf_threshold"])),
+                         str(options["kernel_normalization"]))
+    if aligner is not None and aligner.centered_target is not None:  # linear kernel: no new N x N temporaries
+        info["cka_end"] = 1.0 - float(feature_alignment_loss(features, aligner.centered_target))
+    elif target is not None:
+        info["cka_end"] = kernel_cka(k, target)
+    if aligner is not None:
+        info.update(aligned=True, cka_start=aligner.stats.ckas[0] if aligner.stats.ckas else None,
+                    align_loss=aligner.stats.mean_value, refreshes=aligner.stats.refreshes)
+    encoding = str(options["kernel_encoding"])
+    payload = encode_kernel(k, encoding, float(options["topk_fraction"]) if encoding == "topk" else None)
+    kept = state_to_numpy(method.cpu().state_dict())
+    kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
+    return KernelRoundResult(payload, kept, stats, info)
+
+
+def client_encoder_state(client_state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """The online backbone entries of a client's state: what the server needs to score the client's encoder."""
+    return {k: v for k, v in (client_state or {}).items() if k.startswith("backbone.")}

@@ -220,6 +220,7 @@ def main(grid: Grid, context: Context) -> None:
         **({"scores_by_model": by_model, "headline": "minimum over the models",
             "linear_probe_acc_mean": scores.get("linear_probe_acc_mean"), "knn_acc_mean": scores.get("knn_acc_mean")}
            if by_model else {}),
+        **strategy.summary_extras(by_model),
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
         "run_s": time.perf_counter() - started,

@@ -63,16 +63,19 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
         raise ConfigError(str(exc)) from None  # the registry's message already names strategy.name
     cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
     valid_archs = available_backbones()
-    for key, arch in [("model.arch", cfg.model.arch)] + [("model.client_archs", a) for a in cfg.model.client_archs]:
+    for key, arch in ([("model.arch", cfg.model.arch)] + [("model.client_archs", a) for a in cfg.model.client_archs]
+                      + [("model.client_arch_pool", a) for a in cfg.model.client_arch_pool]):
         if arch not in valid_archs:
             raise ConfigError(f"{key}: unknown architecture {arch!r} (valid: {', '.join(valid_archs)})")
-    if any(a != cfg.model.arch for a in cfg.model.client_archs) and not strategy_cls.supports_mixed_archs:
+    client_archs = [cfg.client_arch(i) for i in range(cfg.federation.num_clients)]
+    if any(a != cfg.model.arch for a in client_archs) and not strategy_cls.supports_mixed_archs:
         raise ConfigError(f"model.client_archs: strategy {cfg.strategy.name!r} averages weights, so every client "
                           f"must use model.arch ({cfg.model.arch!r}); mixed encoders need e.g. FLESD")
     cfg.strategy.options = validate_component_options(cfg.strategy.options, strategy_cls.default_options(),
                                                       "strategy.options")
     try:
         strategy_cls.check_options(cfg.strategy.options)
+        strategy_cls.check_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.data.path:

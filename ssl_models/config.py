@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import yaml
 
 
@@ -66,6 +67,9 @@ class ModelConfig:
     # One architecture per client, for federations that mix encoders (FLESD, Hetero-SSFL); empty: all
     # clients use ``arch``. Strategies that average weights need every client on ``arch``.
     client_archs: list = field(default_factory=list)
+    # Draw each client's architecture uniformly at random from this list, seeded by ``seed`` (Hetero-SSFL's
+    # "ResNet-18 and ResNet-34 chosen at random per client"); only when ``client_archs`` is empty.
+    client_arch_pool: list = field(default_factory=list)
 
 
 @dataclass
@@ -236,6 +240,11 @@ class ExperimentConfig:
                  "must be a list of architecture names", archs)
         _require(not archs or len(archs) == self.federation.num_clients, "model.client_archs",
                  f"must name one architecture per client ({self.federation.num_clients})", archs)
+        pool = self.model.client_arch_pool
+        _require(all(isinstance(a, str) and a for a in pool), "model.client_arch_pool",
+                 "must be a list of architecture names", pool)
+        _require(not (pool and archs), "model.client_arch_pool",
+                 "cannot be combined with model.client_archs (fixed architectures); set one of them", pool)
 
         t = self.train
         _require(t.local_epochs >= 1, "train.local_epochs", "must be >= 1", t.local_epochs)
@@ -320,8 +329,20 @@ class ExperimentConfig:
         return self.federation.min_available_clients or self.federation.num_clients
 
     def client_arch(self, client_id: int) -> str:
-        """The encoder architecture of one client."""
-        return self.model.client_archs[client_id] if self.model.client_archs else self.model.arch
+        """The encoder architecture of one client: fixed (``model.client_archs``), drawn at random with the seed
+        from ``model.client_arch_pool``, or ``model.arch``."""
+        if self.model.client_archs:
+            return self.model.client_archs[client_id]
+        if self.model.client_arch_pool:
+            return self.drawn_client_archs()[client_id]
+        return self.model.arch
+
+    def drawn_client_archs(self) -> list[str]:
+        """Every client's architecture drawn uniformly from ``model.client_arch_pool`` (seeded: the server and
+        every client draw the same list from the config alone)."""
+        pool = self.model.client_arch_pool
+        draws = np.random.default_rng([int(self.seed), 0xA2C4]).integers(len(pool), size=self.federation.num_clients)
+        return [pool[int(i)] for i in draws]
 
     def round_lr(self, server_round: int) -> float:
         """Learning rate of a (1-based) round: cosine decay across rounds, constant within one."""

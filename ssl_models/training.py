@@ -126,11 +126,14 @@ def train_ssl(
     seed: int = 0,
     augment: SSLAugment | None = None,
     loss_hook: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    epoch_hook: Callable[[torch.nn.Module, int], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainStats:
     """Train ``method`` (an ``SSLMethod``) on ``images`` (NHWC uint8) for ``epochs`` local epochs.
 
-    ``loss_hook(method)`` returns an extra loss term added to every step (FedProx, alignment terms).
+    ``loss_hook(method)`` returns an extra loss term added to every step (FedProx, alignment terms);
+    ``epoch_hook(method, epoch)`` runs at the start of every local epoch (Hetero-SSFL recomputes its RAD
+    representations there).
     The images are moved to the device once; every batch is augmented there into two views.
     """
     device = torch.device(device) if isinstance(device, str) else device
@@ -162,6 +165,8 @@ def train_ssl(
     total_loss, steps = 0.0, 0
     start = time.perf_counter()
     for epoch in range(epochs):
+        if epoch_hook is not None:
+            epoch_hook(method, epoch)
         perm = torch.randperm(n, generator=perm_gen).to(device)
         for step in range(steps_per_epoch):
             batch = x[perm[step * bs:(step + 1) * bs]]

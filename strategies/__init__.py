@@ -5,11 +5,12 @@ from __future__ import annotations
 from .fedema import FedEMA
 from .fedprox import FedProx
 from .flesd import FLESD
+from .heterossfl import HeteroSSFL
 from .local import Local
 from .fedssl import FedSSL
 from .fedu import FedU
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local)}
+STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL)}
 
 
 def get_strategy_class(name: str):

@@ -69,6 +69,11 @@ class FedSSL(Strategy):
                              "replaces the target by the global online weights, aggregate_target by the "
                              "averaged targets); choose one")
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of the experiment config this strategy needs (at load time, before anything starts); raise
+        ValueError naming the dotted key."""
+
     def __init__(
         self,
         *,
@@ -252,6 +257,24 @@ class FedSSL(Strategy):
     def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
         """The encoders the server scores, by name: the global model (Min-Local scores every client's own)."""
         return {"global": ModelToEvaluate(self.cfg.model.arch, arrays)}
+
+    def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped
+        by architecture: mean, minimum and count of each score per architecture."""
+        by_arch: dict[str, dict[str, list[float]]] = {}
+        for name, scores in scores_by_model.items():
+            if not name.startswith("client_") or not name[len("client_"):].isdigit():
+                continue
+            arch = self.cfg.client_arch(int(name[len("client_"):]))
+            for key, value in scores.items():
+                if value is not None:
+                    by_arch.setdefault(arch, {}).setdefault(key, []).append(float(value))
+        if not by_arch:
+            return {}
+        return {"scores_by_arch": {arch: {**{f"{k}_mean": sum(v) / len(v) for k, v in keys.items()},
+                                          **{f"{k}_min": min(v) for k, v in keys.items()},
+                                          "num_clients": max(len(v) for v in keys.values())}
+                                   for arch, keys in sorted(by_arch.items())}}
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
         """The new global arrays from the successful replies: the example-weighted average."""

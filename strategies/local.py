@@ -1,7 +1,9 @@
-"""Min-Local: the no-collaboration baseline of the FLESD paper. Every client trains only its own model on
-its own data; nothing is aggregated. The clients start from one shared initial model (sent once) and upload
-their model each round for evaluation only; the server keeps the latest one per client on disk and reports
-each client's accuracy and their minimum ("Min-Local") and mean."""
+"""Min-Local: the no-collaboration baseline of the FLESD paper (and the local-SSL rows of Hetero-SSFL's Table 4).
+Every client trains only its own model on its own data; nothing is aggregated. The clients start from one shared
+initial model (sent once; clients of another architecture than ``model.arch``, ``model.client_archs``, build the
+same seeded initial model of their own architecture) and upload their model each round for evaluation only; the
+server keeps the latest one per client on disk and reports each client's accuracy and their minimum
+("Min-Local") and mean."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class Local(FedSSL):
     name = "local"
     client_update = "local"
     target_options = False  # nothing is aggregated: every client keeps its whole model
+    supports_mixed_archs = True  # no averaging: each client trains its own encoder (local SSL baseline of Hetero-SSFL)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -28,6 +31,9 @@ class Local(FedSSL):
         if partition_id in self.started:
             return ArrayRecord()  # nothing to download: the client continues its own model
         self.started.add(partition_id)
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None and cfg.client_arch(partition_id) != cfg.model.arch:
+            return ArrayRecord()  # another architecture: the client builds its own seeded initial model
         return arrays  # the shared initial model, once
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:

@@ -1,0 +1,363 @@
+"""Hetero-SSFL kernels: representations of the RAD, their kernels, transport, the server average, and the local
+alignment term with its gradient.
+
+Hetero-SSFL (Makhija et al., "Federated Self-supervised Learning for Heterogeneous Clients") lets every client
+keep its own encoder, of any architecture, and aligns the clients through a shared unlabelled set, the
+Representation Alignment Dataset (RAD, N images every party holds identically):
+
+1. client k computes the representations ``A_k`` (N, d_k) of the RAD with its online network (the paper: the
+   **predictor output**; projector or backbone features as options) and the kernel ``K_k = A_k A_k^T`` (N, N),
+   whose size does not depend on the client's width or architecture; it uploads ``K_k``;
+2. the server averages the latest kernel of every client, ``K_bar = sum_j w_j K_j`` (uniform or data-size
+   weights), and sends ``K_bar`` to the next round's clients;
+3. a client trains on ``SSL loss + mu * (1 - CKA(K_k, K_bar))``, the gradient flowing through ``K_k`` into its
+   network (``ssl_models.federated.cka.kernel_alignment_loss``).
+
+How the gradient flows when ``A_k`` is recomputed only once per local epoch (``refresh="epoch"``, the paper's
+Algorithm 1): at the start of the epoch the client forwards the RAD (BatchNorm in eval mode: the running
+statistics, so the RAD never updates them and chunks are independent), computes ``mu (1 - CKA(K_k, K_bar))``
+and its gradient ``g`` with respect to the network's parameters. Every step of the epoch then minimises
+``SSL loss + mu (1 - CKA)`` with the alignment term's gradient taken where ``A_k`` was computed: ``g`` is added to
+each step's gradient (through the surrogate ``<g, theta> - <g, theta>.detach()``, so the optimizer, weight decay
+and gradient scaling treat it as part of the loss). This is what keeping ``A_k`` for the epoch means for
+gradient descent; a detached ``K_k`` would give the alignment term no gradient at all (the bug of a public
+re-implementation). Options: ``refresh="steps"`` recomputes every ``refresh_steps`` steps (1: every step, as
+FedHeNN; exact), ``refresh="minibatch"`` uses, at every step, a random minibatch of ``rad_batch_size`` RAD images
+against the matching sub-block of ``K_bar`` (cheap for a large RAD; a noisier estimate of the same alignment).
+
+The full-RAD gradient is computed without holding the RAD's activations: a no-grad pass gives ``A`` (N, d), the
+gradient ``G = dL/dA`` is cheap (it lives in feature space), then the RAD is forwarded again chunk by chunk and
+``<A_chunk, G_chunk>`` is differentiated into the parameters. For the linear kernel the loss is evaluated in
+feature form against ``H K_bar H`` (centred once per round; ``cka.feature_alignment_loss``), so the client holds
+K_bar, its centred copy and (N, d) matrices, never an N x N kernel of its own with autograd buffers. Peak memory:
+one chunk's activations plus those.
+
+Transport reuses FLESD's encodings (``ssl_models.federated.similarity``: ``dense-fp32``, ``dense-fp16``,
+``topk``) plus one float32 ``scale``: fp16 and top-n% kernels are sent as ``K / max|K|`` (a raw ``A A^T`` can
+exceed fp16's range of 65 504) and multiplied back on receipt, so the average keeps each client's own scale as
+the paper's K_bar does. A top-n% kernel decodes with zeros in the dropped entries (lossy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ssl_models.data.augment import to_float_nchw
+from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss,
+                                      linear_kernel, rbf_kernel)
+from ssl_models.federated.similarity import DENSE_FP32, ENCODING_MODES, TOPK, decode_similarity, encode_similarity
+
+REPRESENTATIONS = ("predictor", "projector", "backbone")
+KERNEL_FUNCTIONS = ("linear", "rbf")
+REFRESH_MODES = ("epoch", "steps", "minibatch")
+KERNEL_WEIGHTS = ("uniform", "data_size")
+KERNEL_NORMALIZATIONS = ("none", "frobenius")
+SCALE_KEY = "scale"
+DEFAULT_FORWARD_BATCH = 256
+DEFAULT_CHUNK_ROWS = 1024
+
+
+# ------------------------------------------------------------------------------------------------ representations
+def representation_fn(method: nn.Module, representation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The map images -> representations used for the kernel.
+
+    ``predictor``: the online network's output ``predictor(projector(backbone(x)))`` (the paper); a method without
+    a predictor (SimCLR, MoCo) uses its projector output. ``projector``: ``projector(backbone(x))``. ``backbone``:
+    the pooled backbone features.
+    """
+    if representation not in REPRESENTATIONS:
+        raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
+    if representation == "backbone":
+        return method.backbone
+    if representation == "projector" or getattr(method, "predictor", None) is None:
+        return lambda x: method.projector(method.backbone(x))
+    return lambda x: method.predictor(method.projector(method.backbone(x)))
+
+
+@contextmanager
+def eval_mode(module: nn.Module):
+    """``module.eval()`` for the block, then every submodule's own previous mode back."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, mode in modes.items():
+            m.train(mode)
+
+
+def _as_uint8_tensor(images: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    x = torch.as_tensor(np.require(images, requirements=["C", "W"]) if isinstance(images, np.ndarray) else images)
+    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
+        raise ValueError(f"RAD images: expected NHWC uint8 with 3 channels, got {tuple(x.shape)} {x.dtype}")
+    return x.to(device)
+
+
+def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch_size: int):
+    """(start, stop, float32 representations) of ``images`` (uint8 NHWC on the model's device), chunk by chunk."""
+    for start in range(0, images.shape[0], batch_size):
+        stop = min(images.shape[0], start + batch_size)
+        yield start, stop, fn(to_float_nchw(images[start:stop]).contiguous()).float()
+
+
+def rad_representations(method: nn.Module, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
+                        device: torch.device | str = "cpu", batch_size: int = DEFAULT_FORWARD_BATCH) -> torch.Tensor:
+    """Representations (N, d) float32 on ``device`` of the RAD images, in eval mode, without gradient or
+    augmentation, in float32 (autocast off). The method's train/eval modes are restored."""
+    device = torch.device(device)
+    method.to(device)
+    x = _as_uint8_tensor(images, device)
+    fn = representation_fn(method, representation)
+    with eval_mode(method), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        return torch.cat([a for _, _, a in _forward_chunks(fn, x, batch_size)])
+
+
+def client_kernel(features: torch.Tensor, kernel: str = "linear", rbf_threshold: float = 0.5) -> torch.Tensor:
+    """The client's kernel of its RAD representations, float32 (N, N): ``A A^T`` (linear, the paper) or the RBF
+    kernel with bandwidth ``rbf_threshold`` x the median distance."""
+    if kernel not in KERNEL_FUNCTIONS:
+        raise ValueError(f"kernel must be one of {KERNEL_FUNCTIONS}, got {kernel!r}")
+    with torch.autocast(device_type=features.device.type, enabled=False):
+        a = features.float()
+        return linear_kernel(a) if kernel == "linear" else rbf_kernel(a, rbf_threshold)
+
+
+def normalize_kernel(kernel: torch.Tensor, normalization: str) -> torch.Tensor:
+    """``none``: the kernel as it is (the paper: K_bar then weighs each client by the size of its representations);
+    ``frobenius``: ``K / ||H K H||_F``, so every client enters K_bar with its own weight only. A client's CKA to
+    anything is unchanged either way (CKA is invariant to the kernel's scale)."""
+    if normalization not in KERNEL_NORMALIZATIONS:
+        raise ValueError(f"kernel normalization must be one of {KERNEL_NORMALIZATIONS}, got {normalization!r}")
+    if normalization == "none":
+        return kernel
+    norm = float(torch.linalg.matrix_norm(center_kernel(kernel.float())))
+    return kernel / norm if norm > 0 else kernel
+
+
+# ------------------------------------------------------------------------------------------------ transport
+def encode_kernel(kernel: torch.Tensor, mode: str, fraction: float | None = None) -> dict[str, np.ndarray]:
+    """Transport form of an (N, N) kernel: FLESD's ``encode_similarity`` payload of ``K / scale`` plus ``scale``
+    (float32, shape (1,)). ``scale`` is ``max|K|`` for the fp16-valued modes (``dense-fp16``, ``topk``) and 1 for
+    ``dense-fp32`` (sent exactly). ``fraction`` is for ``topk`` only."""
+    if mode not in ENCODING_MODES:
+        raise ValueError(f"kernel encoding must be one of {ENCODING_MODES}, got {mode!r}")
+    k = kernel.detach().to("cpu", torch.float32)
+    scale = 1.0
+    if mode != DENSE_FP32:
+        scale = float(k.abs().max()) if k.numel() else 1.0
+        if not scale > 0:
+            scale = 1.0
+        k = k / scale
+    payload = encode_similarity(k, mode, fraction if mode == TOPK else None)
+    payload[SCALE_KEY] = np.array([scale], dtype=np.float32)
+    return payload
+
+
+def _split_payload(payload: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    if SCALE_KEY not in payload:
+        raise ValueError(f"a kernel payload must hold {SCALE_KEY!r} besides its values, got keys {sorted(payload)}")
+    rest = {k: v for k, v in payload.items() if k != SCALE_KEY}
+    scale = float(np.asarray(payload[SCALE_KEY], dtype=np.float64).reshape(-1)[0])
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"kernel payload scale must be a positive number, got {scale}")
+    return rest, scale
+
+
+def decode_kernel(payload: Mapping[str, np.ndarray], n: int) -> torch.Tensor:
+    """Dense float32 (n, n) kernel from ``encode_kernel``'s payload (top-n%: dropped entries are 0)."""
+    rest, scale = _split_payload(payload)
+    values, _ = decode_similarity(rest, n)
+    return values.mul_(scale) if scale != 1.0 else values
+
+
+def check_kernel_payload(payload: Mapping[str, np.ndarray], n: int) -> None:
+    """Raise ValueError unless ``payload`` is a kernel payload for an (n, n) kernel."""
+    rest, _ = _split_payload(payload)
+    values = np.asarray(rest.get("values"))
+    if set(rest) == {"values"}:
+        if values.shape != (n, n):
+            raise ValueError(f"dense kernel payload has shape {values.shape}, expected ({n}, {n}) (the RAD size)")
+    elif set(rest) == {"values", "indices"}:
+        indices = np.asarray(rest["indices"])
+        if values.ndim != 2 or values.shape[0] != n or indices.shape != values.shape or values.shape[1] > n:
+            raise ValueError(f"top-n% kernel payload has shapes {values.shape}/{indices.shape}, expected ({n}, k)")
+        if indices.size and (indices.min() < 0 or indices.max() >= n):
+            raise ValueError(f"top-n% kernel payload indices must lie in [0, {n})")
+    else:
+        raise ValueError(f"kernel payload must hold 'values' (+ 'indices' for top-n%) and 'scale', got {sorted(payload)}")
+
+
+# ------------------------------------------------------------------------------------------------ server average
+def average_kernels(sources: Iterable[tuple[Mapping[str, np.ndarray], float]], n: int, *,
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """``K_bar = sum_j w_j K_j / sum_j w_j`` over ``(payload, weight)`` pairs, float32 (n, n) on the CPU.
+
+    ``sources`` may be a generator (e.g. reading one client's kernel from disk at a time): it is consumed once
+    and each payload is added ``chunk_rows`` rows at a time, so the server holds the accumulator, one payload
+    and one row block. Weights must be positive; they are normalised here.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    acc = torch.zeros(n, n, dtype=torch.float32)
+    total = 0.0
+    for payload, weight in sources:
+        weight = float(weight)
+        if not weight > 0:
+            raise ValueError(f"kernel weights must be > 0, got {weight}")
+        check_kernel_payload(payload, n)
+        rest, scale = _split_payload(payload)
+        values, indices = rest["values"], rest.get("indices")
+        for start in range(0, n, chunk_rows):
+            stop = min(n, start + chunk_rows)
+            block = torch.from_numpy(np.asarray(values[start:stop], dtype=np.float32))
+            if indices is not None:  # top-n% rows: scatter into a dense zero block
+                cols = torch.from_numpy(np.asarray(indices[start:stop]).astype(np.int64))
+                block = torch.zeros(stop - start, n, dtype=torch.float32).scatter_(1, cols, block)
+            acc[start:stop].add_(block, alpha=weight * scale)
+        total += weight
+        del payload, values, indices
+    if total == 0.0:
+        raise ValueError("average_kernels needs at least one kernel")
+    return acc.div_(total)
+
+
+# ------------------------------------------------------------------------------------------------ the local term
+@dataclass
+class AlignmentStats:
+    """What the alignment term did during one local round."""
+
+    values: list[float] = field(default_factory=list)  # mu * (1 - CKA) at every refresh (or step, minibatch mode)
+    ckas: list[float] = field(default_factory=list)  # CKA(K_k, K_bar) at the same moments
+    refreshes: int = 0
+
+    @property
+    def mean_value(self) -> float | None:
+        return sum(self.values) / len(self.values) if self.values else None
+
+
+class KernelAligner:
+    """The Hetero-SSFL alignment term ``mu * (1 - CKA(K_k, K_bar))`` for ``train_ssl``'s hooks.
+
+    ``epoch_hook`` (``on_epoch_start``) and ``loss_hook`` (``loss``) implement the refresh modes of the module
+    docstring. ``target_kernel`` is the server's K_bar (N, N); ``rad_images`` the RAD (N, H, W, 3) uint8.
+    """
+
+    def __init__(self, rad_images: np.ndarray | torch.Tensor, target_kernel: torch.Tensor, *, mu: float,
+                 representation: str = "predictor", kernel: str = "linear", rbf_threshold: float = 0.5,
+                 refresh: str = "epoch", refresh_steps: int = 1, rad_batch_size: int = 256,
+                 forward_batch_size: int = DEFAULT_FORWARD_BATCH, device: torch.device | str = "cpu",
+                 seed: int = 0) -> None:
+        if refresh not in REFRESH_MODES:
+            raise ValueError(f"refresh must be one of {REFRESH_MODES}, got {refresh!r}")
+        if representation not in REPRESENTATIONS:
+            raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
+        if kernel not in KERNEL_FUNCTIONS:
+            raise ValueError(f"kernel must be one of {KERNEL_FUNCTIONS}, got {kernel!r}")
+        for name, value in (("refresh_steps", refresh_steps), ("rad_batch_size", rad_batch_size),
+                            ("forward_batch_size", forward_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or mu < 0:
+            raise ValueError(f"mu must be a number >= 0, got {mu!r}")
+        self.device = torch.device(device)
+        self.rad = _as_uint8_tensor(rad_images, self.device)
+        n = self.rad.shape[0]
+        if tuple(target_kernel.shape) != (n, n):
+            raise ValueError(f"target kernel has shape {tuple(target_kernel.shape)}, expected ({n}, {n}) for "
+                             f"a RAD of {n} images")
+        if refresh == "minibatch" and rad_batch_size < 4:
+            raise ValueError(f"rad_batch_size must be >= 4 for a CKA on a minibatch, got {rad_batch_size}")
+        self.target = target_kernel.detach().to(self.device, torch.float32)
+        # Linear kernel on the whole RAD: the loss in feature form against H K_bar H, centred once here, so the
+        # client never builds (or differentiates through) an N x N matrix of its own.
+        self.centered_target = center_kernel(self.target) if kernel == "linear" and refresh != "minibatch" else None
+        self.mu = float(mu)
+        self.representation, self.kernel, self.rbf_threshold = representation, kernel, float(rbf_threshold)
+        self.refresh, self.refresh_steps = refresh, refresh_steps
+        self.rad_batch_size, self.forward_batch_size = min(rad_batch_size, n), forward_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats = AlignmentStats()
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._value = 0.0
+        self._calls = 0
+        self._refreshed = False
+
+    # ---------------------------------------------------------------- hooks for train_ssl
+    def on_epoch_start(self, method: nn.Module, epoch: int) -> None:
+        if self.refresh == "epoch":
+            self._refresh(method)
+
+    def loss(self, method: nn.Module) -> torch.Tensor:
+        """The alignment term of one step (a tensor added to the SSL loss)."""
+        if self.refresh == "minibatch":
+            return self._minibatch_loss(method)
+        if not self._refreshed or (self.refresh == "steps" and self._calls % self.refresh_steps == 0):
+            self._refresh(method)
+        self._calls += 1
+        # Value: the term as last computed; gradient: its gradient there (constant until the next refresh).
+        surrogate = torch.zeros((), device=self.device)
+        for p, g in self._grads:
+            surrogate = surrogate + (g * p).sum()
+        return surrogate - surrogate.detach() + self._value
+
+    # ---------------------------------------------------------------- computations
+    def _kernel_loss(self, features: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self.centered_target is not None and target is self.target:
+            loss = feature_alignment_loss(features, self.centered_target)
+        else:
+            loss = kernel_alignment_loss(client_kernel(features, self.kernel, self.rbf_threshold), target)
+        return self.mu * loss, 1.0 - float(loss.detach())
+
+    def _record(self, value: float, similarity: float) -> None:
+        self.stats.values.append(value)
+        self.stats.ckas.append(similarity)
+
+    def _refresh(self, method: nn.Module) -> None:
+        """Recompute A_k on the whole RAD, the term's value and its gradient w.r.t. the trainable parameters."""
+        params = [p for p in method.trainable_parameters() if p.requires_grad]
+        fn = representation_fn(method, self.representation)
+        n = self.rad.shape[0]
+        with eval_mode(method), torch.autocast(self.device.type, enabled=False):
+            if n <= self.forward_batch_size:  # one pass with the graph
+                features = fn(to_float_nchw(self.rad).contiguous()).float()
+                loss, similarity = self._kernel_loss(features, self.target)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            else:  # no-grad pass, dL/dA in feature space, then chunk-wise backward through the network
+                with torch.no_grad():
+                    features = torch.cat([a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size)])
+                features.requires_grad_(True)
+                loss, similarity = self._kernel_loss(features, self.target)
+                (grad_features,) = torch.autograd.grad(loss, features)
+                grads = [None] * len(params)
+                for start, stop, a in _forward_chunks(fn, self.rad, self.forward_batch_size):
+                    part = torch.autograd.grad((a * grad_features[start:stop]).sum(), params, allow_unused=True)
+                    grads = [g if d is None else (d if g is None else g + d) for g, d in zip(grads, part)]
+        self._grads = [(p, g.detach()) for p, g in zip(params, grads) if g is not None]
+        self._value = float(loss.detach())
+        self._refreshed = True
+        self.stats.refreshes += 1
+        self._record(self._value, similarity)
+
+    def _minibatch_loss(self, method: nn.Module) -> torch.Tensor:
+        n = self.rad.shape[0]
+        idx = torch.randperm(n, generator=self.generator)[:self.rad_batch_size].sort().values.to(self.device)
+        fn = representation_fn(method, self.representation)
+        with eval_mode(method), torch.autocast(self.device.type, enabled=False):
+            features = fn(to_float_nchw(self.rad[idx]).contiguous()).float()
+            loss, similarity = self._kernel_loss(features, self.target[idx][:, idx])
+        self._record(float(loss.detach()), similarity)
+        return loss
+
+
+def kernel_cka(kernel: torch.Tensor, target_kernel: torch.Tensor) -> float:
+    """CKA between two kernels, no gradient: how aligned a client's kernel is with K_bar (a metric)."""
+    with torch.no_grad(), torch.autocast(device_type=kernel.device.type, enabled=False):
+        return float(cka(kernel.detach().float(), target_kernel.detach().to(kernel.device, torch.float32)))

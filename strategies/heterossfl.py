@@ -1,0 +1,309 @@
+"""Hetero-SSFL (Makhija et al., "Federated Self-supervised Learning for Heterogeneous Clients").
+
+There is no global model. Every client keeps its own encoder, of its own architecture (``model.client_archs`` or
+drawn from ``model.client_arch_pool``), and its own weights for the whole run, in its client state. What travels
+is kernels on the Representation Alignment Dataset (RAD: the server-held split of ``data.public_size`` images,
+never part of a client's partition, rebuilt by every client from the config and checked by its SHA-256):
+
+- **down**, with every training message: ``K_bar = sum_j w_j K_j`` over the latest kernel of every client that
+  has uploaded one (Algorithm 1 averages all clients' kernels; under partial participation the server keeps each
+  client's latest kernel on its disk and streams them from there, so its memory does not grow with the number
+  of clients). Round 1 has no kernel yet: its clients train with local SSL only and upload their first kernels.
+- **up**: the client's ``K_k = A_k A_k^T`` of its RAD representations after local training on
+  ``SSL loss + mu (1 - CKA(K_k, K_bar))`` (``client_app.tasks.kernel_round``).
+
+N_RAD^2 values each way per client and round, whatever the model size. To score the clients' personalised
+encoders the server asks for them with a separate ``query.encoder`` message at kNN-monitor rounds and after
+the last round (only clients that have trained); those bytes are recorded apart (``eval_bytes_up``), not in
+the round's ``bytes_up``/``bytes_down``. The encoders are kept on the server's disk and read back one at a
+time for evaluation.
+
+Math: ``ssl_models/federated/cka.py`` (CKA, the loss) and ``ssl_models/federated/kernel_alignment.py`` (kernels,
+transport, the streaming average, the local alignment term).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from logging import INFO, WARNING
+from typing import Any, Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from ssl_models.data.splits import images_digest, public_images
+from ssl_models.federated.kernel_alignment import (KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
+                                                   REFRESH_MODES, REPRESENTATIONS, average_kernels,
+                                                   check_kernel_payload, encode_kernel)
+from ssl_models.federated.similarity import ENCODING_MODES, TOPK
+
+from .fedssl import FedSSL, ModelToEvaluate
+from .options import check_choice, check_positive, check_unit
+from fedssl_wire import (ENCODER_QUERY_MESSAGE_TYPE, KERNEL_MESSAGE_TYPE, KERNEL_RECORD,
+                         DiskStateStore, from_array_record, record_bytes, to_array_record)
+
+META_ROUND = "meta.round"
+META_EXAMPLES = "meta.num_examples"
+
+
+class StoredEncoders(Mapping):
+    """The clients' encoders the server fetched, read from its disk one at a time (``name -> ModelToEvaluate``)."""
+
+    def __init__(self, store: DiskStateStore, archs: dict[int, str]) -> None:
+        self.store, self.archs = store, dict(sorted(archs.items()))
+
+    def __getitem__(self, name: str) -> ModelToEvaluate:
+        pid = int(name[len("client_"):]) if name.startswith("client_") and name[len("client_"):].isdigit() else None
+        state = self.store.load(pid) if pid in self.archs else None
+        if state is None:
+            raise KeyError(name)
+        return ModelToEvaluate(self.archs[pid], to_array_record(state))
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"client_{pid}" for pid in self.archs)
+
+    def __len__(self) -> int:
+        return len(self.archs)
+
+
+class HeteroSSFL(FedSSL):
+    name = "heterossfl"
+    client_update = "heterossfl"
+    supports_mixed_archs = True
+    message_type = KERNEL_MESSAGE_TYPE
+
+    @classmethod
+    def default_options(cls) -> dict[str, Any]:
+        return {
+            **super().default_options(),
+            "mu": 0.5,  # weight of the alignment term (the paper: 0.5 CIFAR, 1 Tiny-ImageNet)
+            "representation": "predictor",  # predictor (the paper) | projector | backbone
+            "kernel": "linear",  # linear: K = A A^T (the paper) | rbf
+            "rbf_threshold": 0.5,  # RBF bandwidth: threshold x median distance
+            "kernel_encoding": "dense-fp32",  # dense-fp32 | dense-fp16 | topk (FLESD's top-n% rows), both ways
+            "topk_fraction": 0.1,
+            "kernel_weights": "uniform",  # uniform | data_size (w_j proportional to client j's images)
+            # none: raw K = A A^T (the paper; a client with larger representations weighs more in K_bar) |
+            # frobenius: each client scales its kernel to ||H K H||_F = 1 before upload (CKA is scale-free)
+            "kernel_normalization": "none",
+            "refresh": "epoch",  # when A_k is recomputed: epoch (the paper) | steps | minibatch
+            "refresh_steps": 1,  # refresh: steps
+            "rad_batch_size": 256,  # refresh: minibatch
+            "rad_forward_batch": 256,  # RAD images per forward chunk (memory, not maths)
+            "eval_query_batch": 10,  # clients asked for their encoder per message batch at evaluation rounds
+        }
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        super().check_options(options)
+        if options["update_both"]:
+            raise ValueError("strategy.options.update_both: Hetero-SSFL exchanges no weights; keep it false")
+        check_choice(options, "representation", REPRESENTATIONS)
+        check_choice(options, "kernel", KERNEL_FUNCTIONS)
+        check_choice(options, "kernel_encoding", ENCODING_MODES)
+        check_choice(options, "kernel_weights", KERNEL_WEIGHTS)
+        check_choice(options, "kernel_normalization", KERNEL_NORMALIZATIONS)
+        check_choice(options, "refresh", REFRESH_MODES)
+        if not options["mu"] >= 0:
+            raise ValueError(f"strategy.options.mu: must be >= 0 (got {options['mu']!r})")
+        check_unit(options, "topk_fraction")
+        for key in ("topk_fraction", "rbf_threshold", "refresh_steps", "rad_batch_size", "rad_forward_batch",
+                    "eval_query_batch"):
+            check_positive(options, key)
+        if options["rad_batch_size"] < 4:
+            raise ValueError(f"strategy.options.rad_batch_size: must be >= 4 (a CKA needs n > 3), "
+                             f"got {options['rad_batch_size']!r}")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if not cfg.data.public_size:
+            raise ValueError("data.public_size: Hetero-SSFL needs the RAD (representation alignment dataset), the "
+                             "server-held split: set a count (the paper: 5000) or a fraction")
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self, cfg, data, split) -> None:
+        super().prepare(cfg, data, split)
+        rad = public_images(cfg, data)
+        self.rad_size = len(rad)
+        self.rad_digest = images_digest(rad)
+        del rad  # the server needs only the digest: clients compute the kernels
+        self.init_kernel_store(self.rad_size)
+        self.encoders = DiskStateStore(f"{self.state_dir or '.'}/server-encoders")  # fetched encoders, for evaluation
+        self.encoders.clear()
+        self.trained: dict[int, int] = {}  # pid -> rounds trained (successful replies)
+        self.fetched: dict[int, str] = {}  # pid -> arch of the encoders held in self.encoders
+        self.eval_bytes: dict[int, int] = {}
+        log(INFO, "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s", self.rad_size,
+            self.rad_digest[:16], [cfg.client_arch(i) for i in range(cfg.federation.num_clients)])
+
+    def init_kernel_store(self, rad_size: int) -> None:
+        """An empty store of the clients' kernels for a RAD of ``rad_size`` images (each client's latest kernel,
+        one file per client under ``<state_dir>/server-kernels``), and no K_bar yet."""
+        self.rad_size = rad_size
+        self.kernels = DiskStateStore(f"{self.state_dir or '.'}/server-kernels")
+        self.kernels.clear()
+        self.kernel_info: dict[int, dict[str, int]] = {}  # pid -> {"round", "num_examples"} (small, in memory)
+        self.kbar_record = ArrayRecord()  # K_bar in transport form; empty before the first kernels
+        self.kbar_clients: list[int] = []
+        self._kbar_stats: dict[int, dict[str, Any]] = {}
+
+    def store_kernel(self, pid: int, payload: Mapping[str, np.ndarray], server_round: int, num_examples: int) -> None:
+        """Keep ``payload`` (an ``encode_kernel`` payload) as client ``pid``'s latest kernel, on disk."""
+        payload = dict(payload)
+        check_kernel_payload(payload, self.rad_size)
+        payload[META_ROUND] = _scalar(server_round)
+        payload[META_EXAMPLES] = _scalar(num_examples)
+        self.kernels.save(pid, payload)
+        self.kernel_info[pid] = {"round": int(server_round), "num_examples": int(num_examples)}
+
+    def update_kbar(self) -> None:
+        """K_bar over the latest kernel of every client, streamed from disk one kernel at a time, kept only in
+        its transport form (``kbar_record``)."""
+        kbar = average_kernels(self._stored_kernels(), self.rad_size)
+        encoding = str(self.options["kernel_encoding"])
+        fraction = float(self.options["topk_fraction"]) if encoding == TOPK else None
+        self.kbar_record = to_array_record(encode_kernel(kbar, encoding, fraction))
+        self.kbar_clients = sorted(self.kernel_info)
+
+    def exchange_prefixes(self, method) -> tuple[str, ...]:
+        return ()  # no global model: no weights travel in training rounds
+
+    def client_config(self, server_round: int) -> dict[str, Any]:
+        return {**super().client_config(server_round), "rad-digest": self.rad_digest}
+
+    def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """K_bar (empty in round 1: no client has uploaded a kernel yet)."""
+        return self.kbar_record
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self._kbar_stats[server_round] = {"kbar_clients": len(self.kbar_clients),
+                                          "kbar_bytes_per_client": record_bytes(self.kbar_record)}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    # ------------------------------------------------------------------ kernels
+    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
+        """Keep each client's new kernel on disk, then form the next K_bar over the latest kernel of every
+        client. Returns None: there is no global model."""
+        for reply, client in zip(replies, clients):
+            self.store_kernel(client["id"], from_array_record(reply.content[KERNEL_RECORD]), server_round,
+                              client["num_examples"])
+            self.trained[client["id"]] = self.trained.get(client["id"], 0) + 1
+        t0 = time.perf_counter()
+        self.update_kbar()
+        self._kbar_stats.setdefault(server_round, {}).update(
+            kernel_average_s=time.perf_counter() - t0, kernels_stored=len(self.kernel_info),
+            kernel_store_mib=self.kernels.size_bytes() / 2**20)
+        return None
+
+    def _stored_kernels(self) -> Iterable[tuple[dict, float]]:
+        """(payload, weight) of every client's latest kernel, read from disk one at a time."""
+        for pid in sorted(self.kernel_info):
+            payload = self.kernels.load(pid)
+            weights_by_size = self.options["kernel_weights"] == "data_size"
+            weight = float(self.kernel_info[pid]["num_examples"]) if weights_by_size else 1.0
+            yield {k: v for k, v in payload.items() if not k.startswith("meta.")}, weight
+
+    def aggregate_train(self, server_round, replies):
+        replies = list(replies)
+        for r in replies:  # a client on another RAD would poison K_bar: stop the run
+            if r.has_error() and "public set mismatch" in r.error.reason:
+                raise RuntimeError(f"round {server_round}: {r.error.reason}")
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        record = self.round_records.get(server_round)
+        if record is not None:
+            ok = [r for r in replies if not r.has_error()]
+            record.update(rad_size=self.rad_size, **self._kbar_stats.pop(server_round, {}),
+                          kernel_bytes_up=sum(record_bytes(r.content[KERNEL_RECORD]) for r in ok))
+        return arrays, metrics
+
+    def client_record(self, reply: Message) -> dict[str, Any]:
+        record = super().client_record(reply)
+        record["arch"] = self.cfg.client_arch(record["id"])
+        m = reply.content["metrics"]
+        for key in m.keys():
+            if key.startswith("align."):
+                record[key[len("align."):]] = m[key]
+        return record
+
+    # ------------------------------------------------------------------ evaluation: fetch the clients' encoders
+    def is_eval_round(self, server_round: int) -> bool:
+        every = self.cfg.eval.knn_every
+        return server_round == self.cfg.rounds or bool(every and server_round % every == 0)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """At kNN rounds and after the last round, fetch the encoder of every client that has trained (to the
+        server's disk). Sent here, in batches, rather than returned: the replies are written to disk batch by
+        batch, so the server never holds more than ``eval_query_batch`` encoders."""
+        if self.is_eval_round(server_round) and self.trained:
+            self.fetch_encoders(server_round, grid)
+        return []
+
+    def fetch_encoders(self, server_round: int, grid: Grid) -> None:
+        t0 = time.perf_counter()
+        pids = sorted(self.trained)
+        up = 0
+        failed: list[dict[str, Any]] = []
+        if self.server_store is not None:  # the server holds every client's state already: nothing to send
+            for pid in pids:
+                state = self.server_store.load(pid) or {}
+                self.encoders.save(pid, {k: v for k, v in state.items() if k.startswith("backbone.")})
+                self.fetched[pid] = self.cfg.client_arch(pid)
+        else:
+            batch = int(self.options["eval_query_batch"])
+            for start in range(0, len(pids), batch):
+                chunk = [pid for pid in pids[start:start + batch] if pid in self.clients]
+                messages = [Message(RecordDict({"config": ConfigRecord({
+                    "experiment": self.cfg.to_json(), "server-round": server_round,
+                    **self.client_config(server_round)})}),
+                    dst_node_id=self.clients[pid], message_type=ENCODER_QUERY_MESSAGE_TYPE,
+                    group_id=f"eval-{server_round}") for pid in chunk]
+                answered = set()
+                for reply in grid.send_and_receive(messages, timeout=self.cfg.federation.round_timeout_s):
+                    if reply.has_error():
+                        failed.append({"node": reply.metadata.src_node_id, "reason": reply.error.reason})
+                        continue
+                    pid = int(reply.content["metrics"]["partition-id"])
+                    up += record_bytes(reply.content["arrays"])
+                    self.encoders.save(pid, from_array_record(reply.content["arrays"]))
+                    self.fetched[pid] = self.cfg.client_arch(pid)
+                    answered.add(pid)
+                failed += [{"id": pid, "reason": "no encoder reply"} for pid in chunk if pid not in answered]
+        for f in failed:
+            log(WARNING, "round %d: encoder query failed (%s); its last fetched encoder, if any, is scored",
+                server_round, f)
+        self.eval_bytes[server_round] = up
+        record = self.round_records.setdefault(server_round, {"round": server_round})
+        record.update(eval_bytes_up=up, eval_clients=len(pids) - len(failed), eval_fetch_s=time.perf_counter() - t0,
+                      **({"eval_failed": failed} if failed else {}))
+
+    def models_to_evaluate(self, arrays: ArrayRecord) -> Mapping[str, ModelToEvaluate]:
+        """Every fetched client encoder (``client_<i>``, its own architecture), read lazily from disk."""
+        if not self.fetched:
+            raise RuntimeError("Hetero-SSFL has no client encoder to evaluate (no client has trained, or every "
+                               "encoder query failed)")
+        return StoredEncoders(self.encoders, self.fetched)
+
+    def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        n = self.cfg.federation.num_clients
+        return {
+            **super().summary_extras(scores_by_model),
+            "client_archs": [self.cfg.client_arch(i) for i in range(n)],
+            "rounds_trained_by_client": {str(i): self.trained.get(i, 0) for i in range(n)},
+            "never_trained": [i for i in range(n) if i not in self.trained],
+            "eval_bytes_up_total": int(sum(self.eval_bytes.values())),
+            "rad_size": self.rad_size,
+            "heterossfl": {"mu": self.options["mu"], "representation": self.options["representation"],
+                           "kernel": self.options["kernel"], "kernel_encoding": self.options["kernel_encoding"],
+                           "kernel_weights": self.options["kernel_weights"], "refresh": self.options["refresh"],
+                           "kernel_normalization": self.options["kernel_normalization"],
+                           "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see README)",
+                           "round_1": "local SSL only (no kernel yet)"},
+        }
+
+
+def _scalar(value: int) -> np.ndarray:
+    return np.array([int(value)], dtype=np.int64)
