@@ -90,11 +90,14 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
     data_path = str(context.node_config.get("data-path", "")) or None
-    images = local_images(cfg, pid, data_path)
+    scope = str(config.get("data-scope", "partition"))
+    images = local_images(cfg, pid, data_path, scope)
     r = RoundInputs(config, cfg, pid, int(config["server-round"]), images)
+    where = ("the union of all partitions of " if scope == "union" else "its partition of ") + \
+        (cfg.data.path or cfg.data.dataset)
     # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.
     r.log(f"run {context.run_id} on host {platform.node()}: {len(images)} images from "
-          f"{data_path or 'its partition of ' + (cfg.data.path or cfg.data.dataset)}; "
+          f"{data_path or where}; "
           f"{state_location(config, context)}")
     return r
 

@@ -32,7 +32,7 @@ from ssl_models.federated.cka import feature_alignment_loss
 from ssl_models.federated.kernel_alignment import (KernelAligner, client_kernel, decode_kernel, encode_kernel,
                                                    kernel_cka, normalize_kernel, rad_representations)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
-from ssl_models.data.splits import client_images, images_digest
+from ssl_models.data.splits import client_images, images_digest, union_images
 from ssl_models.training import TrainStats, resolve_device, train_ssl
 
 ONLINE_ENCODER = ("backbone.", "projector.")
@@ -53,9 +53,19 @@ class LocalRoundResult:
         return {k: v for k, v in self.client_state.items() if not k.startswith(META)}
 
 
-def local_images(cfg: ExperimentConfig, partition_id: int, data_path: str | None = None) -> np.ndarray:
+def local_images(cfg: ExperimentConfig, partition_id: int, data_path: str | None = None,
+                 scope: str = "partition") -> np.ndarray:
     """This client's training images: its partition of the experiment's data set, or, when the node
-    has its own data (``data-path`` in the node config), that file's whole training part."""
+    has its own data (``data-path`` in the node config), that file's whole training part. ``scope="union"``
+    (the centralized reference, ``strategy: central``): the union of every client's partition."""
+    if scope == "union":
+        if data_path:
+            raise ValueError(f"strategy 'central' trains on the union of the experiment's partitions, but client "
+                             f"{partition_id}'s node trains on its own data file ({data_path}); run the "
+                             "centralized reference on a node without data-path")
+        return union_images(cfg)
+    if scope != "partition":
+        raise ValueError(f"data-scope: must be 'partition' or 'union' (got {scope!r})")
     if data_path:
         return load_npz(data_path).x_train
     return client_images(cfg, partition_id)

@@ -17,7 +17,7 @@ from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.evaluation.protocol import evaluate_backbone
 from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.data.splits import eval_subsets, federated_split, load_experiment_data
+from ssl_models.data.splits import eval_subset_seeds, eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
 from strategies.fedssl import ModelToEvaluate
@@ -90,11 +90,31 @@ class ServerEvaluator:
         load_partial_state(ssl_model, from_array_record(model.arrays))
         return ssl_model.backbone
 
-    def evaluate(self, model: ModelToEvaluate, *, knn: bool, linear: bool) -> dict[str, Any]:
+    def protocol(self) -> dict[str, Any]:
+        """What decides the scores besides the weights: written into every ``model.pt`` (``extra.eval_protocol``)
+        so that ``fedssl-eval`` on the same data file reproduces the run's own numbers."""
         e = self.cfg.eval
-        return evaluate_backbone(self.load(model), self.x_train, self.y_train, self.x_test, self.y_test,
+        train_seed, test_seed = eval_subset_seeds(self.cfg)
+        return {"knn_k": e.knn_k, "knn_temperature": e.knn_temperature, "probe_epochs": e.probe_epochs,
+                "seed": self.cfg.seed, "max_train": e.max_train or None, "max_test": e.max_test or None,
+                "train_subset_seed": train_seed, "test_subset_seed": test_seed,
+                "data": self.cfg.data.path or self.cfg.data.dataset}
+
+    def _score(self, backbone: torch.nn.Module, *, knn: bool, linear: bool) -> dict[str, Any]:
+        e = self.cfg.eval
+        return evaluate_backbone(backbone, self.x_train, self.y_train, self.x_test, self.y_test,
                                  self.num_classes, device=self.device, knn=knn, linear=linear, knn_k=e.knn_k,
                                  knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
+
+    def evaluate(self, model: ModelToEvaluate, *, knn: bool, linear: bool) -> dict[str, Any]:
+        return self._score(self.load(model), knn=knn, linear=linear)
+
+    def random_init(self, arch: str, *, linear: bool) -> dict[str, Any]:
+        """The reference every score is read against: the run's own initial encoder of ``arch`` (seeded as the
+        initial global model and every client's first model are), never trained, scored with the same protocol."""
+        backbone = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=arch).backbone
+        scores = self._score(backbone, knn=True, linear=linear)
+        return {"knn_acc": scores["knn_acc"], "linear_probe_acc": scores["linear_probe_acc"]}
 
     def evaluate_models(self, models: dict[str, ModelToEvaluate], *, knn: bool, linear: bool
                         ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -132,6 +152,37 @@ def failed_note(record: dict) -> str:
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def _gain(score: float | None, reference: float | None) -> float | None:
+    return None if score is None or reference is None else score - reference
+
+
+def random_init_entries(scores: dict[str, Any], by_model: dict[str, dict[str, Any]], model_archs: dict[str, str],
+                        reference: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """summary.json entries that read the scores against the random-init reference of each model's architecture:
+    ``random_init`` (per architecture), the headline gains (with several models: the smallest gain over them, as
+    the headline scores are the minimum) and each model's own gains (added to ``by_model`` in place)."""
+    gains: dict[str, list[float]] = {"knn": [], "linear_probe": []}
+    for name, arch in model_archs.items():
+        own = by_model.get(name, scores)
+        for key in gains:
+            gain = _gain(own.get(f"{key}_acc"), reference[arch][f"{key}_acc"])
+            if name in by_model:
+                by_model[name][f"{key}_gain_over_random"] = gain
+            if gain is not None:
+                gains[key].append(gain)
+    return {"random_init": reference,
+            "linear_probe_gain_over_random": min(gains["linear_probe"]) if gains["linear_probe"] else None,
+            "knn_gain_over_random": min(gains["knn"]) if gains["knn"] else None}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _points(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.2f} points"
 
 
 @app.main()
@@ -208,15 +259,24 @@ def main(grid: Grid, context: Context) -> None:
         path = writer.model_path if len(models) == 1 else writer.out_dir / f"model_{name}.pt"
         save_encoder_checkpoint(path, evaluator.load(model), model.arch, cfg.model.width,
                                 extra={"method": cfg.method.name, "strategy": cfg.strategy.name, "model": name,
-                                       "rounds": len(writer.records), "experiment": cfg.name})
+                                       "rounds": len(writer.records), "experiment": cfg.name,
+                                       "eval_protocol": evaluator.protocol()})
     say("final evaluation (kNN + linear probe) ...")
     scores, by_model = evaluator.evaluate_models(models, knn=True, linear=cfg.eval.linear_probe)
+    reference_entries: dict[str, Any] = {}
+    if cfg.eval.random_init_reference:
+        archs = sorted({model.arch for model in models.values()})
+        say(f"random-init reference ({', '.join(archs)}, the run's initial weights, same protocol) ...")
+        reference = {arch: evaluator.random_init(arch, linear=cfg.eval.linear_probe) for arch in archs}
+        reference_entries = random_init_entries(
+            scores, by_model, {name: model.arch for name, model in models.items()}, reference)
     summary = {
         "name": cfg.name,
         "method": cfg.method.name,
         "strategy": cfg.strategy.name,
         "linear_probe_acc": scores.get("linear_probe_acc"),
         "knn_acc": scores.get("knn_acc"),
+        **reference_entries,
         **({"scores_by_model": by_model, "headline": "minimum over the models",
             "linear_probe_acc_mean": scores.get("linear_probe_acc_mean"), "knn_acc_mean": scores.get("knn_acc_mean")}
            if by_model else {}),
@@ -227,7 +287,8 @@ def main(grid: Grid, context: Context) -> None:
         "eval": {"num_train": scores["num_train"], "num_test": scores["num_test"],
                  "feature_dim": scores["feature_dim"], "features": "backbone (global average pool)",
                  "knn_k": cfg.eval.knn_k, "knn_temperature": cfg.eval.knn_temperature,
-                 "probe_epochs": cfg.eval.probe_epochs, "split": "train part -> fit, test part -> score"},
+                 "probe_epochs": cfg.eval.probe_epochs, "split": "train part -> fit, test part -> score",
+                 "protocol": evaluator.protocol()},
         "data": {"train_images": len(data.x_train), "client_sizes": sizes, "public_size": len(split.public_idx)},
         "output_dir": str(out_dir),
         "config_file": str(config_path),
@@ -235,6 +296,13 @@ def main(grid: Grid, context: Context) -> None:
     }
     writer.write_summary(summary)
     writer.plot(f"{cfg.name}: {cfg.method.name} / {cfg.strategy.name}")
-    lp = summary["linear_probe_acc"]
-    say(f"done in {summary['run_s']:.1f} s: linear probe {'-' if lp is None else f'{100 * lp:.2f}%'}, "
-        f"kNN {100 * summary['knn_acc']:.2f}%; results in {out_dir}")
+    headline = " (minimum over the clients' models)" if by_model else ""
+    against = ""
+    if reference_entries:
+        rand = reference_entries["random_init"]
+        rand_lp = ", ".join(_pct(v["linear_probe_acc"]) for v in rand.values())
+        rand_knn = ", ".join(_pct(v["knn_acc"]) for v in rand.values())
+        against = (f"; random init: linear probe {rand_lp}, kNN {rand_knn}; gain over random init: linear probe "
+                   f"{_points(summary['linear_probe_gain_over_random'])}, kNN {_points(summary['knn_gain_over_random'])}")
+    say(f"done in {summary['run_s']:.1f} s: linear probe {_pct(summary['linear_probe_acc'])}, "
+        f"kNN {_pct(summary['knn_acc'])}{headline}{against}; results in {out_dir}")

@@ -161,6 +161,9 @@ class EvalConfig:
     max_train: int = 0
     max_test: int = 0
     device: str = "auto"
+    # Score a randomly initialised encoder of the run's architecture(s) (the run's own initial weights) with
+    # the same protocol, once per run, and report every score's gain over it.
+    random_init_reference: bool = True
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .central import Central
 from .fedema import FedEMA
 from .fedprox import FedProx
 from .flesd import FLESD
@@ -10,7 +11,7 @@ from .local import Local
 from .fedssl import FedSSL
 from .fedu import FedU
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL)}
+STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL, Central)}
 
 
 def get_strategy_class(name: str):

@@ -36,6 +36,12 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["linear_probe_acc"] <= 1 and 0 <= summary["knn_acc"] <= 1
     assert summary["rounds_completed"] == 2 and summary["config"]["name"] == "smoke"
+    # The random-init reference of the run's architecture, and the gains over it.
+    rand = summary["random_init"]["resnet18"]
+    assert 0 <= rand["linear_probe_acc"] <= 1 and 0 <= rand["knn_acc"] <= 1
+    assert summary["linear_probe_gain_over_random"] == pytest.approx(summary["linear_probe_acc"] - rand["linear_probe_acc"])
+    assert summary["knn_gain_over_random"] == pytest.approx(summary["knn_acc"] - rand["knn_acc"])
+    assert "gain over random init: linear probe" in (out / "progress.log").read_text().splitlines()[-1]
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
     assert (out / "model.pt").stat().st_size > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -49,13 +55,20 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     feats = tmp_path / "feats.npz"
     script = Path(sys.executable).parent / "fedssl-eval"  # the installed console script
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.evaluation.cli"]
-    ev = subprocess.run(cmd + [str(out / "model.pt"), str(npz),
-                         "--max-train", "500", "--max-test", "200", "--probe-epochs", "5",
-                         "--export-features", str(feats)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # Same model, same data file, the protocol recorded in model.pt: the run's own numbers, exactly.
+    ev = subprocess.run(cmd + [str(out / "model.pt"), str(npz), "--export-features", str(feats)],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]
     line = json.loads(ev.stdout.strip().splitlines()[-1])
-    assert 0 <= line["knn_acc"] <= 1 and 0 <= line["linear_probe_acc"] <= 1 and line["num_train"] == 500
+    assert line["protocol"]["source"] == "checkpoint" and line["num_train"] == summary["eval"]["num_train"]
+    assert (line["knn_acc"], line["linear_probe_acc"]) == (summary["knn_acc"], summary["linear_probe_acc"])
     assert feats.is_file()
+    # And the random-init reference for the same data: --random-init with the run's architecture and seed.
+    ev = subprocess.run(cmd + ["--random-init", "resnet18", "--width", "0.125", "--init-seed", "0", str(npz),
+                               "--max-train", "400", "--max-test", "200", "--probe-epochs", "20", "--no-linear"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["random_init"] is True
 
 
 def test_client_count_mismatch_stops_with_instructions(tmp_path):
@@ -108,3 +121,21 @@ def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):
         assert 0 < r["bytes_up"] < r["bytes_down"]
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["linear_probe_acc"] <= 1 and summary["data"]["public_size"] == 200
+
+
+def test_central_strategy_trains_one_client_on_the_union(tmp_path):
+    out = tmp_path / "out"
+    proc = flwr_run(f"config='configs/smoke.yaml' strategy.name='central' output-dir='{out}' {data_overrides()}",
+                    tmp_path / "flwr")
+    assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+    rounds = read_jsonl(out / "metrics.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    union = sum(summary["data"]["client_sizes"])
+    assert summary["central"]["train_images"] == union
+    losses = []
+    for r in rounds:
+        # One trainer, on every client's images: client 0's node, with the union.
+        assert [(c["id"], c["num_examples"]) for c in r["clients"]] == [(0, union)]
+        losses.append(r["train_loss"])
+    assert all(math.isfinite(v) for v in losses)
+    assert summary["strategy"] == "central" and "linear_probe_gain_over_random" in summary

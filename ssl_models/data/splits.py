@@ -70,6 +70,13 @@ def client_images(cfg: ExperimentConfig, partition_id: int, data: ImageData | No
     return data.x_train[federated_split(cfg, data.y_train).client_idx[partition_id]]
 
 
+def union_images(cfg: ExperimentConfig, data: ImageData | None = None) -> np.ndarray:
+    """The union of every client's training images (the centralized reference trains on it), in index order."""
+    data = data or load_experiment_data(cfg)
+    split = federated_split(cfg, data.y_train)
+    return data.x_train[np.sort(np.concatenate(split.client_idx))]
+
+
 def public_images(cfg: ExperimentConfig, data: ImageData | None = None, source: str = "split") -> np.ndarray:
     """The public/auxiliary images every party can compute: the server-held split (``source="split"``) or
     client 0's partition (``source="client0"``, FLESD's code, where client 0 then does not train)."""
@@ -91,8 +98,15 @@ def images_digest(images: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def eval_subset_seeds(cfg: ExperimentConfig) -> tuple[int, int]:
+    """Seeds of the evaluation's class-stratified train and test subsamples (recorded in ``model.pt`` so that
+    ``fedssl-eval`` draws the same subsets)."""
+    return cfg.seed + 3, cfg.seed + 4
+
+
 def eval_subsets(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the labelled train images (kNN bank, probe fit) and test images used for evaluation."""
     e = cfg.eval
-    return (subsample(data.y_train, e.max_train or None, seed=cfg.seed + 3),
-            subsample(data.y_test, e.max_test or None, seed=cfg.seed + 4))
+    train_seed, test_seed = eval_subset_seeds(cfg)
+    return (subsample(data.y_train, e.max_train or None, seed=train_seed),
+            subsample(data.y_test, e.max_test or None, seed=test_seed))

@@ -6,6 +6,19 @@ Usage::
                 [--max-test N] [--device auto|cpu|cuda] [--batch-size 512] [--export-features PATH]
                 [--no-linear] [--seed 0] [--semi-supervised 0.01,0.1] [--semi-epochs 100]
                 [--semi-mode finetune|head] [--semi-lr 0.001]
+    fedssl-eval --random-init ARCH [--width 1.0] [--init-seed S] [--input-mean r,g,b --input-std r,g,b] DATA.npz ...
+
+**A run's own numbers.** A ``model.pt`` written by a run records the run's evaluation protocol
+(``extra.eval_protocol``: kNN k and temperature, probe epochs and seed, the sizes and seeds of the class-stratified
+train/test subsamples). Every protocol option not given on the command line is taken from there, so
+``fedssl-eval outputs/<run>/model.pt <the run's data file>`` scores exactly the subsets the run scored and prints
+the run's own kNN and linear-probe accuracies. Options given on the command line win (``--seed`` then also seeds
+both subsamples, as for a checkpoint without a recorded protocol); the JSON line's ``protocol.source`` says which.
+
+**The random-init reference.** ``--random-init ARCH`` scores a never-trained encoder of that architecture
+(``--width``; weights drawn after ``torch.manual_seed(--init-seed)``, by default the protocol seed, which is how a
+run draws its initial model: ``--init-seed`` = the run's ``seed`` gives the run's own reference), with the same
+protocol, instead of a checkpoint.
 
 The encoder is fitted on (kNN bank / probe training set) the ``x_train``/``y_train`` arrays of the ``.npz``
 and scored on ``x_test``/``y_test``. Exactly one JSON line goes to stdout so the output can be piped or
@@ -34,6 +47,7 @@ import numpy as np
 import torch
 
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
+from ssl_models.networks import build_backbone
 from ssl_models.data.datasets import ImageData, load_npz, subsample
 from ssl_models.evaluation.protocol import (
     DEFAULT_PROTOCOL,
@@ -79,24 +93,49 @@ def _label_fractions(text: str) -> list[float]:
     return fractions
 
 
+def _three_floats(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be three comma-separated numbers r,g,b, got {text!r}") from None
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"must be three comma-separated numbers r,g,b, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
         description="Evaluate a saved SSL encoder with weighted kNN and a linear probe on frozen features, and "
                     "optionally by semi-supervised fine-tuning on a fraction of the labels.",
     )
-    parser.add_argument("model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt)")
-    parser.add_argument("data", help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)")
-    parser.add_argument("--knn-k", type=_positive_int, default=DEFAULT_PROTOCOL["knn_k"],
-                        help="neighbours in the weighted kNN vote (default %(default)s)")
-    parser.add_argument("--knn-t", type=_positive_float, default=DEFAULT_PROTOCOL["knn_temperature"],
-                        help="kNN temperature (default %(default)s)")
-    parser.add_argument("--probe-epochs", type=_positive_int, default=DEFAULT_PROTOCOL["probe_epochs"],
-                        help="linear-probe epochs (default %(default)s)")
+    parser.add_argument("model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt); "
+                                      "omitted with --random-init")
+    parser.add_argument("data", nargs="?", default=None,
+                        help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)")
+    parser.add_argument("--random-init", metavar="ARCH", default=None,
+                        help="score a randomly initialised encoder of this architecture instead of a checkpoint")
+    parser.add_argument("--width", type=_positive_float, default=1.0,
+                        help="channel width multiplier of --random-init (default %(default)s)")
+    parser.add_argument("--init-seed", type=int, default=None,
+                        help="torch seed of --random-init's weights (default: the protocol seed)")
+    parser.add_argument("--input-mean", type=_three_floats, default=None,
+                        help="--random-init: input normalisation mean r,g,b (with --input-std)")
+    parser.add_argument("--input-std", type=_three_floats, default=None,
+                        help="--random-init: input normalisation std r,g,b (with --input-mean)")
+    parser.add_argument("--knn-k", type=_positive_int, default=None,
+                        help=f"neighbours in the weighted kNN vote (default: the checkpoint's protocol, else "
+                             f"{DEFAULT_PROTOCOL['knn_k']})")
+    parser.add_argument("--knn-t", type=_positive_float, default=None,
+                        help=f"kNN temperature (default: the checkpoint's, else {DEFAULT_PROTOCOL['knn_temperature']})")
+    parser.add_argument("--probe-epochs", type=_positive_int, default=None,
+                        help=f"linear-probe epochs (default: the checkpoint's, else {DEFAULT_PROTOCOL['probe_epochs']})")
     parser.add_argument("--max-train", type=_positive_int, default=None,
-                        help="class-stratified, seeded subsample of the train split (default: all)")
+                        help="class-stratified, seeded subsample of the train split (default: the checkpoint's, "
+                             "else all)")
     parser.add_argument("--max-test", type=_positive_int, default=None,
-                        help="class-stratified, seeded subsample of the test split (default: all)")
+                        help="class-stratified, seeded subsample of the test split (default: the checkpoint's, "
+                             "else all)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto picks cuda when available (default %(default)s)")
     parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_PROTOCOL["feature_batch_size"],
@@ -104,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export-features", metavar="PATH", default=None,
                         help="also write train/test features and labels to this .npz")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear probe (kNN only)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_PROTOCOL["seed"],
-                        help="seed of the subsampling and the probe's shuffling (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the subsampling and the probe's shuffling (default: the checkpoint's, else "
+                             f"{DEFAULT_PROTOCOL['seed']})")
     parser.add_argument("--semi-supervised", metavar="FRACTIONS", type=_label_fractions, default=[],
                         help="also fine-tune on these class-balanced label fractions, comma-separated "
                              "(e.g. 0.01,0.1) and report their test accuracies")
@@ -200,27 +240,92 @@ def semi_supervised_records(
     return records
 
 
+def _random_init_model(args: argparse.Namespace, seed: int, device: torch.device
+                       ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A never-trained encoder of ``--random-init ARCH``: ``torch.manual_seed`` then ``build_backbone``, which is
+    how a run draws its initial model (``ssl_models.factory.build_ssl_model`` builds the backbone first)."""
+    if (args.input_mean is None) != (args.input_std is None):
+        raise UsageError("--input-mean and --input-std go together")
+    if args.input_std is not None and not all(v > 0 for v in args.input_std):
+        raise UsageError(f"--input-std: every value must be > 0, got {args.input_std}")
+    normalization = None if args.input_mean is None else (args.input_mean, args.input_std)
+    init_seed = seed if args.init_seed is None else args.init_seed
+    torch.manual_seed(init_seed)
+    try:
+        backbone, feature_dim = build_backbone(args.random_init, args.width, normalization)
+    except ValueError as error:
+        raise UsageError(f"--random-init: {error}") from error
+    backbone.to(device).eval()
+    return backbone, {"arch": args.random_init, "width": float(args.width), "feature_dim": feature_dim,
+                      "input_normalization": None if normalization is None else
+                      {"mean": list(normalization[0]), "std": list(normalization[1])},
+                      "extra": {}, "random_init_seed": init_seed}
+
+
+def resolve_protocol(args: argparse.Namespace, recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """The protocol to apply: each option from the command line, else the checkpoint's recorded protocol (the
+    run's own), else the defaults. Returns the options plus the subsample seeds and where they came from."""
+    recorded = recorded or {}
+    given = {"knn_k": args.knn_k, "knn_temperature": args.knn_t, "probe_epochs": args.probe_epochs,
+             "max_train": args.max_train, "max_test": args.max_test, "seed": args.seed}
+    defaults = {**{k: DEFAULT_PROTOCOL[k] for k in ("knn_k", "knn_temperature", "probe_epochs", "seed")},
+                "max_train": None, "max_test": None}
+    out, source = {}, {}
+    for key, value in given.items():
+        if value is not None:
+            out[key], source[key] = value, "command line"
+        elif key in recorded:
+            out[key], source[key] = recorded[key], "checkpoint"
+        else:
+            out[key], source[key] = defaults[key], "default"
+    # The run drew its train/test subsamples with their own seeds; an explicit --seed seeds both, as before.
+    if args.seed is None and "train_subset_seed" in recorded and "test_subset_seed" in recorded:
+        out["train_subset_seed"], out["test_subset_seed"] = recorded["train_subset_seed"], recorded["test_subset_seed"]
+    else:
+        out["train_subset_seed"] = out["test_subset_seed"] = out["seed"]
+    out["source"] = ("checkpoint" if set(source.values()) <= {"checkpoint"} else
+                     "command line" if "checkpoint" not in source.values() and "command line" in source.values()
+                     else "defaults" if set(source.values()) == {"default"} else "mixed")
+    out["source_by_option"] = source
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Do the evaluation described by parsed ``args`` and return the JSON-ready record."""
     started = time.perf_counter()
     device = resolve_device(args.device)
-    backbone, info = _load_model(args.model, device)
-    _progress(f"loaded {info['arch']} (width {info['width']}, {info['feature_dim']}-d features) on {device}")
+    if args.random_init is not None:
+        if args.data is not None:
+            raise UsageError("with --random-init give only the data file (no checkpoint)")
+        args.data, args.model = args.model, None
+        chosen = resolve_protocol(args, None)
+        backbone, info = _random_init_model(args, chosen["seed"], device)
+        _progress(f"random init of {info['arch']} (width {info['width']}, torch seed {info['random_init_seed']}, "
+                  f"{info['feature_dim']}-d features) on {device}")
+    else:
+        if args.data is None:
+            raise UsageError("give a checkpoint and a data file (or --random-init ARCH and a data file)")
+        backbone, info = _load_model(args.model, device)
+        chosen = resolve_protocol(args, (info.get("extra") or {}).get("eval_protocol"))
+        _progress(f"loaded {info['arch']} (width {info['width']}, {info['feature_dim']}-d features) on {device}")
+    if chosen["source"] != "defaults":
+        _progress("protocol: " + ", ".join(f"{k} {chosen[k]} ({v})" for k, v in chosen["source_by_option"].items()))
     data = _load_data(args.data)
-    x_train, y_train = _subsample_split(data.x_train, data.y_train, args.max_train, args.seed)
-    x_test, y_test = _subsample_split(data.x_test, data.y_test, args.max_test, args.seed)
+    x_train, y_train = _subsample_split(data.x_train, data.y_train, chosen["max_train"], chosen["train_subset_seed"])
+    x_test, y_test = _subsample_split(data.x_test, data.y_test, chosen["max_test"], chosen["test_subset_seed"])
     if len(x_train) == 0 or len(x_test) == 0:
         raise UsageError(f"data file {args.data} has an empty train or test split")
     _progress(f"{len(x_train)} train / {len(x_test)} test images, {data.num_classes} classes")
+    args.seed = chosen["seed"]  # the semi-supervised step uses the same seed
     protocol = {
         "feature_batch_size": args.batch_size,
-        "knn_k": args.knn_k,
-        "knn_temperature": args.knn_t,
-        "probe_epochs": args.probe_epochs,
+        "knn_k": chosen["knn_k"],
+        "knn_temperature": chosen["knn_temperature"],
+        "probe_epochs": chosen["probe_epochs"],
         "probe_lr": DEFAULT_PROTOCOL["probe_lr"],
         "probe_batch_size": DEFAULT_PROTOCOL["probe_batch_size"],
         "probe_weight_decay": DEFAULT_PROTOCOL["probe_weight_decay"],
-        "seed": args.seed,
+        "seed": chosen["seed"],
     }
     result = evaluate_backbone(
         backbone, x_train, y_train, x_test, y_test, data.num_classes, device,
@@ -254,8 +359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "feature_dim": result["feature_dim"],
         "device": str(device),
         "semi_supervised": semi_supervised,
+        "random_init": args.random_init is not None,
         "protocol": {
-            **protocol, "max_train": args.max_train, "max_test": args.max_test, "linear": not args.no_linear,
+            **protocol, "max_train": chosen["max_train"], "max_test": chosen["max_test"],
+            "train_subset_seed": chosen["train_subset_seed"], "test_subset_seed": chosen["test_subset_seed"],
+            "source": chosen["source"], "linear": not args.no_linear,
             "semi_epochs": args.semi_epochs, "semi_lr": args.semi_lr, "semi_mode": args.semi_mode,
             "semi_batch_size": SEMI_SUPERVISED_PROTOCOL["batch_size"],
         },
