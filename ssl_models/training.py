@@ -182,6 +182,8 @@ def train_ssl(
                 if loss_hook is not None:
                     loss = loss + loss_hook(method)
             value = optimizer_step(loss, opt, scaler, f"local SSL loss at epoch {epoch + 1} step {step + 1}")
+            if hasattr(method, "set_progress"):  # momentum schedules (MoCo v3) follow the local progress
+                method.set_progress((epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch))
             method.after_optimizer_step()
             total_loss += value
             steps += 1

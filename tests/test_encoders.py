@@ -69,7 +69,7 @@ def test_scaled_widths_round_and_never_reach_zero() -> None:
 def test_unknown_arch_error_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="resnet18.*resnet34.*resnet50"):
         build_backbone("resnet101")
-    assert available_backbones() == ["resnet18", "resnet34", "resnet50"]
+    assert available_backbones() == ["resnet18", "resnet34", "resnet50", "vit_tiny"]
 
 
 @pytest.mark.parametrize("width", [0.0, -1.0])

@@ -109,3 +109,21 @@ def proximal_term(params: dict[str, torch.Tensor], anchors: dict[str, torch.Tens
         raise ValueError("proximal_term: no parameter has a global anchor")
     total = sum(((params[k].float() - anchors[k].float()) ** 2).sum() for k in keys)
     return (0.5 * mu if half else mu) * total
+
+
+@_float32_loss
+def mocov3_contrastive_loss(q: torch.Tensor, k: torch.Tensor, temperature: float = 0.2) -> torch.Tensor:
+    """MoCo v3's ctr(q, k) = CrossEntropy(normalize(q) @ normalize(k).T / T, arange(N)) * 2T.
+
+    Query ``i`` has its positive at key ``i`` and the other N-1 keys of the batch as negatives (an N-way
+    softmax, not SimCLR's 2N-1; no queue). The factor 2T is MoCo v3's, which makes the gradient scale
+    independent of T. Keys carry no gradient in MoCo v3; detaching them is the caller's job. The symmetric
+    MoCo v3 loss is ``ctr(q1, k2) + ctr(q2, k1)``.
+    """
+    _check_temperature(temperature)
+    _check_same_shape("q", q, "k", k)
+    q = F.normalize(q.float(), dim=1)
+    k = F.normalize(k.float(), dim=1)
+    logits = q @ k.t() / temperature
+    targets = torch.arange(q.shape[0], device=q.device)
+    return F.cross_entropy(logits, targets) * (2.0 * temperature)
