@@ -31,6 +31,7 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from compose_native import CONTAINER_WORKDIR, DOCKER_DIR, REPO, Compose, load_compose
+from conftest import skip_unless_required
 
 # The client file dials a SuperLink outside its project; a host name that no service has makes that
 # exception explicit.
@@ -289,7 +290,7 @@ def compose_cli() -> tuple[str, ...] | None:
 def need_tools(*tools: str) -> None:
     missing = [t for t in tools if not shutil.which(t)]
     if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (Debian packages openssl, openssh-client)")
+        skip_unless_required(f"{', '.join(missing)} not installed (Debian packages openssl, openssh-client)")
 
 
 def schema_argv(combo: Combo) -> list[str]:
@@ -325,7 +326,7 @@ def openssl(*args: str | Path) -> str:
 @pytest.mark.parametrize("combo", COMBOS, ids=_ids)
 def test_compose_schema(combo: Combo, jobs: Jobs):
     if compose_cli() is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed; for offline schema validation "
+        skip_unless_required("neither `docker compose` nor `docker-compose` is installed; for offline schema validation "
                     "install Debian's docker-compose package (apt-get install docker-compose)")
     result = jobs.result(f"schema {combo.id}")
     assert result.returncode == 0, \

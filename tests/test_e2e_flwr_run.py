@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flwr_harness import REPO, flwr_run, read_jsonl
+from conftest import skip_unless_required
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +52,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
 
     npz = cifar10_npz()
     if npz is None:
-        pytest.skip("fedssl-eval part needs the CIFAR-10 dev npz")
+        skip_unless_required("fedssl-eval part needs the CIFAR-10 dev npz")
     feats = tmp_path / "feats.npz"
     script = Path(sys.executable).parent / "fedssl-eval"  # the installed console script
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.evaluation.cli"]

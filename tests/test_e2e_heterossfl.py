@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from flwr_harness import REPO, flwr_run, read_jsonl
+from conftest import skip_unless_required
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +51,7 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     # Each personalised encoder is saved with its own architecture and can be scored by fedssl-eval.
     assert (out / "model_client_0.pt").is_file() and (out / "model_client_1.pt").is_file()
     if npz is None:
-        pytest.skip("the fedssl-eval part needs the CIFAR-10 dev npz")
+        skip_unless_required("the fedssl-eval part needs the CIFAR-10 dev npz")
     ev = subprocess.run([sys.executable, "-m", "ssl_models.evaluation.cli", str(out / "model_client_1.pt"), str(npz),
                          "--max-train", "200", "--max-test", "100", "--probe-epochs", "2", "--semi-supervised", "0.1",
                          "--semi-epochs", "1", "--semi-mode", "head"], cwd=REPO, capture_output=True, text=True,

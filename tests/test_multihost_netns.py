@@ -28,6 +28,7 @@ import pytest
 from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for
 from flwr_harness import kill_processes_with_env, read_jsonl
 from netns import Network, namespaces_unavailable
+from conftest import skip_unless_required
 
 pytestmark = pytest.mark.e2e
 
@@ -39,10 +40,10 @@ MARKER = "FEDSSL_MULTIHOST_TEST"  # every process of the test carries it, so tea
 def network():
     reason = namespaces_unavailable()
     if reason:
-        pytest.skip(f"multi-host test skipped: {reason}")
+        skip_unless_required(f"multi-host test skipped: {reason}")
     for tool in ("openssl", "ssh-keygen"):
         if shutil.which(tool) is None:
-            pytest.skip(f"multi-host test skipped: {tool} is not installed (needed by docker/make-*.sh)")
+            skip_unless_required(f"multi-host test skipped: {tool} is not installed (needed by docker/make-*.sh)")
     net = Network(tag=str(os.getpid() % 100000), spokes=["n1", "n2"], hub="link", hub_names=["superlink"],
                   local_names={"link": ["superlink"], "n1": ["supernode"], "n2": ["supernode"]})
     with net:
