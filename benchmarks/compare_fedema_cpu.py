@@ -1,7 +1,8 @@
 """CPU-scale comparison of FedBYOL, FedU and FedEMA (autoscaler) over several seeds.
 
 Runs `configs/fedema/cpu-compare.yaml` as real `flwr run .` simulations (5 SuperNodes), once per
-(strategy, seed), and writes the linear-probe and kNN table (mean and standard deviation over seeds) to
+(strategy, seed), with the centralized reference (`strategy: central`) and the random-init reference every run
+reports, and writes the linear-probe and kNN table (mean and standard deviation over seeds) to
 benchmarks/results/fedema_cpu_compare.{json,md}, updated after every run so partial results survive.
 The seed changes the partition, the initial model, the augmentations and the sampling.
 
@@ -12,47 +13,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import yaml
 
-from runs import REPO, run_experiment
+from runs import REPO, comparison_lines, previous_runs, run_experiment, run_row
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {
     "FedBYOL": {"name": "fedssl", "options": {}},
     "FedU": {"name": "fedu", "options": {"threshold": 0.4}},
     "FedEMA (autoscaler, tau 0.7)": {"name": "fedema", "options": {"mu_mode": "autoscaler", "tau": 0.7}},
+    # The papers' "Non-FL" row: the same BYOL, model, augmentations and number of passes over every image, on the
+    # union of the clients' data by one trainer.
+    "centralized (strategy central)": {"name": "central", "options": {}},
 }
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def write_tables(runs: list[dict], out: Path, command: str, base: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"command": command, "config": base, "runs": runs}, indent=2))
+    t = base["train"]
     lines = [f"# FedBYOL vs FedU vs FedEMA at CPU scale ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"Command: `{command}`. Config: `configs/fedema/cpu-compare.yaml` ({base['rounds']} rounds, "
-             f"{base['federation']['num_clients']} clients x {base['data']['classes_per_client']} CIFAR-10 classes, "
-             f"{base['data']['max_train']} training images, ResNet-18 width {base['model']['width']}, BYOL, "
-             f"E={base['train']['local_epochs']}, batch {base['train']['batch_size']}). Linear probe and kNN on "
-             f"{base['eval']['max_train']} labelled train / {base['eval']['max_test']} dev-test images "
-             "(CIFAR-10 dev copy, JPEG-derived: relative comparison only).", "",
-             "| method | seeds | linear probe (mean ± std) | kNN (mean ± std) | per-seed linear probe | run s |",
-             "|---|---|---|---|---|---|"]
-    for variant in VARIANTS:
-        rs = [r for r in runs if r["variant"] == variant]
-        if not rs:
-            continue
-        per_seed = ", ".join(f"{100 * r['linear_probe_acc']:.2f}" for r in rs)
-        lp, knn = mean_std([100 * r["linear_probe_acc"] for r in rs]), mean_std([100 * r["knn_acc"] for r in rs])
-        lines.append(f"| {variant} | {', '.join(str(r['seed']) for r in rs)} | {lp[0]:.2f} ± {lp[1]:.2f} | "
-                     f"{knn[0]:.2f} ± {knn[1]:.2f} | {per_seed} | "
-                     f"{statistics.mean(r['run_s'] for r in rs):.0f} |")
+             f"Command: `{command}`. Config: `configs/fedema/cpu-compare.yaml`. Scale: {base['rounds']} rounds x "
+             f"{t['local_epochs']} local epochs, {base['federation']['num_clients']} clients x "
+             f"{base['data']['classes_per_client']} CIFAR-10 classes, {base['data']['max_train']} training images, "
+             f"ResNet-18 width {base['model']['width']}, BYOL, {t['optimizer']} lr {t['lr']}, batch {t['batch_size']}. "
+             f"Linear probe and kNN (%) on {base['eval']['max_train']} labelled train / {base['eval']['max_test']} "
+             "dev-test images (CIFAR-10 dev copy, JPEG-derived: relative comparison only); mean ± std over seeds.", ""]
+    lines += comparison_lines(runs, list(VARIANTS))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -61,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", required=True)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=0, help="override the config's rounds (0: keep)")
+    ap.add_argument("--variants", nargs="+", default=None, help="only these rows (names as in the table)")
     ap.add_argument("--out", default=str(RESULTS / "fedema_cpu_compare"))
     args = ap.parse_args(argv)
     base = yaml.safe_load((REPO / "configs" / "fedema" / "cpu-compare.yaml").read_text())
@@ -68,19 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         base["rounds"] = args.rounds
     command = (f"python benchmarks/compare_fedema_cpu.py --data {Path(args.data).name} --seeds "
                + " ".join(map(str, args.seeds)) + (f" --rounds {args.rounds}" if args.rounds else ""))
-    runs: list[dict] = []
+    runs = previous_runs(Path(args.out), base)
     for seed in args.seeds:
         for variant, strategy in VARIANTS.items():
+            if args.variants and variant not in args.variants:
+                continue
+            if any(r["variant"] == variant and r["seed"] == seed for r in runs):
+                continue  # measured by an earlier invocation with the same config
             raw = json.loads(json.dumps(base))
             raw.update(seed=seed, name=f"cpu-compare-{strategy['name']}-seed{seed}", strategy=strategy)
             raw["data"]["path"] = str(Path(args.data).resolve())
             res = run_experiment(raw)
-            summary, rounds = res["summary"], res["rounds"]
-            runs.append({"variant": variant, "seed": seed, "linear_probe_acc": summary["linear_probe_acc"],
-                         "knn_acc": summary["knn_acc"], "run_s": res["run_s"],
-                         "knn_curve": [[r["round"], r.get("knn_acc")] for r in rounds if r.get("knn_acc") is not None],
-                         "loss_curve": [r["train_loss"] for r in rounds],
-                         "mu": [[c.get("mu") for c in r["clients"]] for r in rounds]})
+            runs.append({**run_row(variant, seed, res),
+                         "mu": [[c.get("mu") for c in r["clients"]] for r in res["rounds"]]})
             print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
                   flush=True)
             write_tables(runs, Path(args.out), command, base)

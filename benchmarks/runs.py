@@ -32,3 +32,67 @@ def run_experiment(raw: dict, timeout_s: float = 3600, keep_dir: Path | None = N
             raise RuntimeError(f"{raw.get('name')} failed:\n" + (proc.stdout + proc.stderr)[-3000:])
         return {"summary": json.loads(summary_path.read_text()), "rounds": read_jsonl(tmp / "out" / "metrics.jsonl"),
                 "run_s": time.perf_counter() - t0}
+
+
+def mean_std(values: list[float]) -> str:
+    """"m ± s" of percentages (s = sample standard deviation; 0 for one value), or "-" without values."""
+    import statistics
+
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):.2f} ± {(statistics.stdev(values) if len(values) > 1 else 0.0):.2f}"
+
+
+def run_row(variant: str, seed: int, res: dict) -> dict:
+    """What a comparison keeps of one run: scores, the random-init reference of its architecture and its gain."""
+    s = res["summary"]
+    arch = s["config"]["model"]["arch"]
+    rand = (s.get("random_init") or {}).get(arch, {})
+    return {"variant": variant, "seed": seed, "linear_probe_acc": s["linear_probe_acc"], "knn_acc": s["knn_acc"],
+            "random_init_linear_probe_acc": rand.get("linear_probe_acc"), "random_init_knn_acc": rand.get("knn_acc"),
+            "linear_probe_gain_over_random": s.get("linear_probe_gain_over_random"),
+            "bytes_up": s["bytes_up_total"], "bytes_down": s["bytes_down_total"], "run_s": res["run_s"],
+            "knn_curve": [[r["round"], r.get("knn_acc")] for r in res["rounds"] if r.get("knn_acc") is not None],
+            "loss_curve": [r.get("train_loss") for r in res["rounds"]]}
+
+
+def comparison_lines(runs: list[dict], variants: list[str], schedules: dict[str, str] | None = None) -> list[str]:
+    """A markdown table: a random-init row (the runs' own initial encoders, one per seed), then one row per variant
+    with linear probe, kNN and the gain over random init (mean ± std over seeds, in points), bytes and run time."""
+    pct = (lambda rs, key: [100 * r[key] for r in rs if r.get(key) is not None])
+    lines = ["| row | schedule | seeds | linear probe | kNN | linear-probe gain over random init | per-seed linear "
+             "probe | up MiB / run | run s |", "|---|---|---|---|---|---|---|---|---|"]
+    by_seed: dict[int, dict] = {}
+    for r in runs:
+        if r.get("random_init_linear_probe_acc") is not None:
+            by_seed.setdefault(r["seed"], r)
+    rand = list(by_seed.values())
+    if rand:
+        lines.append(f"| random init (same architecture and seed, never trained) | - | "
+                     f"{', '.join(str(s) for s in sorted(by_seed))} | {mean_std(pct(rand, 'random_init_linear_probe_acc'))} | "
+                     f"{mean_std(pct(rand, 'random_init_knn_acc'))} | 0 | "
+                     f"{', '.join('%.2f' % (100 * r['random_init_linear_probe_acc']) for r in rand)} | - | - |")
+    for variant in variants:
+        rs = [r for r in runs if r["variant"] == variant]
+        if not rs:
+            continue
+        lines.append(f"| {variant} | {(schedules or {}).get(variant, '')} | {', '.join(str(r['seed']) for r in rs)} | "
+                     f"{mean_std(pct(rs, 'linear_probe_acc'))} | {mean_std(pct(rs, 'knn_acc'))} | "
+                     f"{mean_std(pct(rs, 'linear_probe_gain_over_random'))} | "
+                     f"{', '.join('%.2f' % (100 * r['linear_probe_acc']) for r in rs)} | "
+                     f"{sum(r['bytes_up'] for r in rs) / len(rs) / 2**20:.1f} | "
+                     f"{sum(r['run_s'] for r in rs) / len(rs):.0f} |")
+    return lines
+
+
+def previous_runs(out: Path, base: dict, key: str = "config") -> list[dict]:
+    """The runs of an earlier invocation that wrote ``out``.json with the same base config (so a comparison can be
+    completed seed by seed, across invocations); none if the config changed or nothing was written."""
+    path = Path(out).with_suffix(".json")
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return []
+    return list(old.get("runs", [])) if old.get(key) == base else []

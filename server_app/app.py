@@ -222,7 +222,7 @@ def main(grid: Grid, context: Context) -> None:
     shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
     initial = to_array_record(state_to_numpy(shared))
     say(f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
-        f"{cfg.rounds} rounds, {cfg.clients_per_round}/{cfg.federation.num_clients} clients per round, "
+        f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round, "
         f"{_mb(initial.count_bytes())} exchanged per client each way")
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
