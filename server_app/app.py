@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from logging import ERROR
 from typing import Any
 
@@ -24,8 +25,8 @@ from strategies.fedssl import ModelToEvaluate
 from strategies.nodes import query_partitions
 from fedssl_wire import from_array_record, to_array_record
 
-from .experiment import load_experiment, output_dir_for
-from .results import ResultsWriter
+from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for
+from .results import ResultsWriter, unused_output_dir
 
 app = ServerApp()
 
@@ -39,7 +40,9 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
     n = cfg.federation.num_clients
     how = (f"set the federation size to match, e.g. `flwr run . --federation-config \"num-supernodes={n}\"` "
            f"in simulation, or start {n} SuperNodes with num-partitions={n}; or set federation.num_clients")
-    deadline = time.monotonic() + cfg.federation.node_wait_s
+    # In a simulation every node exists when the ServerApp starts: a shortfall will not heal, so say so at once.
+    simulated = type(grid).__name__ == "InMemoryGrid"
+    deadline = time.monotonic() + (min(5.0, cfg.federation.node_wait_s) if simulated else cfg.federation.node_wait_s)
     nodes: list[int] = []
     while True:
         nodes = sorted(grid.get_node_ids())
@@ -80,13 +83,18 @@ class ServerEvaluator:
         self.x_train, self.y_train = data.x_train[train_idx], data.y_train[train_idx]
         self.x_test, self.y_test = data.x_test[test_idx], data.y_test[test_idx]
         self.num_classes = data.num_classes
-        self.models: dict[str, torch.nn.Module] = {}  # one SSL model per architecture, reused
+        self.models: dict[tuple, torch.nn.Module] = {}  # one SSL model per (architecture, depth), reused
+        self.depths: dict[str, int | None] = {}  # the depth of the latest model scored per architecture (grown ViTs)
 
     def load(self, model: ModelToEvaluate) -> torch.nn.Module:
-        """The backbone of ``model`` (its architecture rebuilt once, its state loaded)."""
-        if model.arch not in self.models:
-            self.models[model.arch] = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=model.arch)
-        ssl_model = self.models[model.arch]
+        """The backbone of ``model`` (its architecture, at its depth for a grown ViT, rebuilt once; its state
+        loaded)."""
+        depth = {"depth": model.depth} if model.depth else {}
+        self.depths[model.arch] = model.depth
+        if (model.arch, model.depth) not in self.models:
+            self.models[(model.arch, model.depth)] = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=model.arch,
+                                                                     **depth)
+        ssl_model = self.models[(model.arch, model.depth)]
         load_partial_state(ssl_model, from_array_record(model.arrays))
         return ssl_model.backbone
 
@@ -111,8 +119,10 @@ class ServerEvaluator:
 
     def random_init(self, arch: str, *, linear: bool) -> dict[str, Any]:
         """The reference every score is read against: the run's own initial encoder of ``arch`` (seeded as the
-        initial global model and every client's first model are), never trained, scored with the same protocol."""
-        backbone = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=arch).backbone
+        initial global model and every client's first model are), never trained, scored with the same protocol; a
+        grown ViT at the depth of the latest model of ``arch`` scored."""
+        depth = self.depths.get(arch)
+        backbone = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=arch, **({"depth": depth} if depth else {})).backbone
         scores = self._score(backbone, knn=True, linear=linear)
         return {"knn_acc": scores["knn_acc"], "linear_probe_acc": scores["linear_probe_acc"]}
 
@@ -139,6 +149,9 @@ def stop_run(say, what: str, *errors: type[BaseException]):
     except errors as exc:
         log(ERROR, "%s: %s", what, exc)
         say(f"stopped: {what}: {exc}")
+        owner = getattr(say, "__self__", None)  # ResultsWriter.progress: its reason is now written
+        if owner is not None:
+            owner.stopped = True
         raise
 
 
@@ -193,10 +206,26 @@ def main(grid: Grid, context: Context) -> None:
     except (ConfigError, FileNotFoundError) as exc:
         log(ERROR, "Invalid experiment configuration: %s", exc)
         raise
-    out_dir = output_dir_for(cfg)
+    wanted_dir = output_dir_for(cfg)
+    out_dir = unused_output_dir(wanted_dir)
     writer = ResultsWriter(out_dir)
     say = writer.progress
-    say(f"experiment {cfg.name!r} from {config_path}; results in {out_dir}")
+    given = str(context.run_config.get("config", "") or DEFAULT_CONFIG)
+    # Named as the user gave it: the app's own copy (under Flower's FLWR_HOME) means nothing to them.
+    shown = given if Path(config_path).is_relative_to(APP_DIR) else str(config_path)
+    say(f"experiment {cfg.name!r} from {shown}; results in {out_dir}")
+    if out_dir != wanted_dir:
+        say(f"{wanted_dir} already holds a run, which is never overwritten: writing to {out_dir} instead")
+    try:
+        _run(grid, cfg, given, started, out_dir, writer)
+    except Exception as exc:
+        if not writer.stopped:  # stop_run already wrote the reason of an expected failure
+            say(f"stopped: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter) -> None:
+    say = writer.progress
     # Data and partition first, before anything waits on clients, so a bad path or split fails at once.
     with stop_run(say, "cannot load the data set", FileNotFoundError, ValueError):
         data = load_experiment_data(cfg)
@@ -222,8 +251,8 @@ def main(grid: Grid, context: Context) -> None:
     shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
     initial = to_array_record(state_to_numpy(shared))
     say(f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
-        f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round, "
-        f"{_mb(initial.count_bytes())} exchanged per client each way")
+        f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round; "
+        f"{strategy.traffic(initial.count_bytes())}")
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Called by Strategy.start after every round: measure, record, report."""
@@ -291,7 +320,7 @@ def main(grid: Grid, context: Context) -> None:
                  "protocol": evaluator.protocol()},
         "data": {"train_images": len(data.x_train), "client_sizes": sizes, "public_size": len(split.public_idx)},
         "output_dir": str(out_dir),
-        "config_file": str(config_path),
+        "config_file": config_given,
         "config": cfg.to_dict(),
     }
     writer.write_summary(summary)

@@ -50,7 +50,11 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Path]:
     """Load, override, validate; check the data exists and component options are known."""
-    path = resolve_config_path(str(run_config.get("config", "") or DEFAULT_CONFIG))
+    given = str(run_config.get("config", "") or DEFAULT_CONFIG)
+    path = resolve_config_path(given)
+    if not path.is_file():
+        raise ConfigError(f"config: {given!r} not found (looked for it in the app's folder and in {Path.cwd()}, the "
+                          "working directory of the SuperLink that runs the ServerApp); give an absolute path")
     cfg = ExperimentConfig.from_yaml(path, overrides_from_run_config(run_config))
     cfg.check_files()
     try:

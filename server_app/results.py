@@ -28,6 +28,24 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+RUN_FILES = ("metrics.jsonl", "progress.log", "summary.json", "model.pt")
+
+
+def unused_output_dir(path: Path) -> Path:
+    """``path`` itself, or ``path-2``, ``path-3``, ... if ``path`` already holds a run (finished or partial): an
+    earlier run's results are never overwritten."""
+    path = Path(path)
+
+    def holds_a_run(folder: Path) -> bool:
+        return any((folder / name).is_file() and (folder / name).stat().st_size > 0 for name in RUN_FILES)
+
+    candidate, n = path, 1
+    while holds_a_run(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
 class ResultsWriter:
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = Path(out_dir)
@@ -38,6 +56,7 @@ class ResultsWriter:
         self.plot_path = self.out_dir / "curves.png"
         self.model_path = self.out_dir / "model.pt"
         self.records: list[dict[str, Any]] = []
+        self.stopped = False  # set once a "stopped: why" line is written
         self.metrics_path.write_text("")
         self.progress_path.write_text("")
 

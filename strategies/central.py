@@ -35,6 +35,10 @@ class Central(FedSSL):
     def client_config(self, server_round: int) -> dict[str, Any]:
         return {**super().client_config(server_round), "data-scope": UNION_SCOPE}
 
+    def traffic(self, model_bytes: int) -> str:
+        return (f"one trainer (the lowest connected client, on the union of every client's data): the model, "
+                f"{model_bytes / 2**20:.2f} MiB, down and up each round")
+
     def prepare(self, cfg, data, split) -> None:
         super().prepare(cfg, data, split)
         self.union_size = int(sum(len(idx) for idx in split.client_idx))

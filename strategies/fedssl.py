@@ -35,10 +35,12 @@ NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 
 @dataclass(frozen=True)
 class ModelToEvaluate:
-    """One encoder the server scores: its architecture (to rebuild it) and its exchanged state."""
+    """One encoder the server scores: its architecture (to rebuild it), its exchanged state and, for a growable
+    ViT (the layer-wise strategies), its depth in blocks (None: the architecture's default)."""
 
     arch: str
     arrays: ArrayRecord
+    depth: int | None = None
 
 
 class FedSSL(Strategy):
@@ -257,6 +259,12 @@ class FedSSL(Strategy):
     def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
         """The encoders the server scores, by name: the global model (Min-Local scores every client's own)."""
         return {"global": ModelToEvaluate(self.cfg.model.arch, arrays)}
+
+    def traffic(self, model_bytes: int) -> str:
+        """What travels each round, in words, for the first progress line (``model_bytes``: the initial global
+        arrays' size). Strategies that send something else say so (FLESD, Hetero-SSFL, Min-Local, central)."""
+        extra = " (+ the averaged target with aggregate_target)" if self.options.get("aggregate_target") else ""
+        return f"down and up per client and round: the model, {model_bytes / 2**20:.2f} MiB{extra}"
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped

@@ -101,6 +101,12 @@ class FLESD(FedSSL):
         self.distill_stats: dict[int, dict[str, Any]] = {}
         log(INFO, "FLESD public set: %d images, sha256 %s", len(self.public), self.public_digest[:16])
 
+    def traffic(self, model_bytes: int) -> str:
+        n, o = len(self.public), self.options
+        form = f"top {o['topk_fraction']:g} of each row" if o["similarity"] == TOPK else o["similarity"]
+        return (f"down: the distilled model, {model_bytes / 2**20:.2f} MiB, to the clients of {self.cfg.model.arch} "
+                f"only; up: no weights, a {n} x {n} similarity matrix of the public set per client ({form})")
+
     def trainable(self, available: list[int]) -> list[int]:
         if self.options["public_source"] == "client0":
             return [pid for pid in available if pid != 0]
@@ -160,7 +166,8 @@ class FLESD(FedSSL):
         if record is not None and server_round in self.distill_stats:
             d = self.distill_stats[server_round]
             o = self.options
-            record.update(distill_loss=d["loss"], distill_steps=d["steps"], distill_s=d["seconds"],
+            record.update(distill_loss=d["loss"], distill_loss_first_quarter=d["loss_first_quarter"],
+                          distill_loss_last_quarter=d["loss_last_quarter"], distill_steps=d["steps"], distill_s=d["seconds"],
                           distill_warmup_iterations=d["warmup_iterations"], ensemble_s=d["ensemble_s"],
                           public_size=len(self.public), sparsify=o["sparsify"], queue_warmup=o["queue_warmup"],
                           key_encoder=o["key_encoder"])

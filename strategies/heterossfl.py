@@ -139,6 +139,11 @@ class HeteroSSFL(FedSSL):
         log(INFO, "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s", self.rad_size,
             self.rad_digest[:16], [cfg.client_arch(i) for i in range(cfg.federation.num_clients)])
 
+    def traffic(self, model_bytes: int) -> str:
+        n = self.rad_size
+        return (f"no weights: up, the client's {n} x {n} RAD kernel ({self.options['kernel_encoding']}); down from round 2, "
+                "K_bar of the same size; each client's encoder travels up only for evaluation")
+
     def init_kernel_store(self, rad_size: int) -> None:
         """An empty store of the clients' kernels for a RAD of ``rad_size`` images (each client's latest kernel,
         one file per client under ``<state_dir>/server-kernels``), and no K_bar yet."""

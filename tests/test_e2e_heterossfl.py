@@ -47,6 +47,35 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     assert 0 <= summary["scores_by_arch"]["resnet34"]["linear_probe_acc_mean"] <= 1
     assert summary["client_archs"] == ["resnet18", "resnet34"] and summary["eval_bytes_up_total"] > 0
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
+    # Training moved the clients: the loss of round 2 is below round 1's for both.
+    assert all(second["loss"] < first["loss"] for first, second in
+               zip(sorted(rounds[0]["clients"], key=lambda c: c["id"]), sorted(rounds[1]["clients"], key=lambda c: c["id"])))
+
+    # The payload is what it claims to be: the kernel the server stored from client 1 in the last round equals
+    # K = A A^T computed here, independently, from that client's saved model on the RAD (its predictor output in
+    # eval mode, float32, images in [0, 1]).
+    import numpy as np
+    import torch
+
+    from ssl_models.config import ExperimentConfig
+    from ssl_models.data.splits import public_images
+    from ssl_models.factory import build_ssl_model, load_partial_state
+    from ssl_models.federated.kernel_alignment import decode_kernel
+    from fedssl_wire import DiskStateStore
+
+    cfg = ExperimentConfig.from_dict(summary["config"])
+    (state_dir,) = list((out / "client_state").glob("run-*"))
+    state = DiskStateStore(state_dir).load(1)
+    model = build_ssl_model(cfg, seed=0, arch="resnet34")
+    load_partial_state(model, {k: v for k, v in state.items() if not k.startswith("meta.")})
+    model.eval()
+    rad = torch.as_tensor(public_images(cfg)).permute(0, 3, 1, 2).float() / 255.0
+    with torch.no_grad():
+        a = model.predictor(model.projector(model.backbone(rad))).double()
+    stored = DiskStateStore(out / "client_state" / "server-kernels").load(1)
+    got = decode_kernel({k: v for k, v in stored.items() if not k.startswith("meta.")}, n).double()
+    want = a @ a.T
+    assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
     # Each personalised encoder is saved with its own architecture and can be scored by fedssl-eval.
     assert (out / "model_client_0.pt").is_file() and (out / "model_client_1.pt").is_file()

@@ -172,8 +172,9 @@ def distill(
     default a fresh copy of the student is made. The ensemble stays on its own device; only (B, K) target
     blocks are moved.
 
-    Returns ``{"loss": mean over optimizer steps, "steps", "iterations", "warmup_iterations" (all skipped
-    iterations), "queue_warmup", "seconds", "precision"}``.
+    Returns ``{"loss": mean over optimizer steps, "loss_first_quarter", "loss_last_quarter" (means over the first
+    and the last quarter of the steps), "steps", "iterations", "warmup_iterations" (all skipped iterations),
+    "queue_warmup", "seconds", "precision"}``.
     """
     device = torch.device(device) if isinstance(device, str) else device
     images = torch.as_tensor(public_images)
@@ -222,6 +223,7 @@ def distill(
     queue: IndexedQueue | None = None
 
     total_loss, steps, skipped = 0.0, 0, 0
+    step_losses: list[float] = []
     start = time.perf_counter()
     for iteration in range(iterations):
         position = iteration % batches_per_epoch if queue_warmup == "every_epoch" else iteration
@@ -243,14 +245,19 @@ def distill(
                 continue
             targets = distillation_targets(ensemble, batch_idx, queue.indices).to(device)
             loss = similarity_distillation_loss(student(view_q), queue.keys, targets, temperature)
-        total_loss += optimizer_step(loss, optimizer, scaler, f"distillation loss at iteration {iteration + 1}")
+        step_losses.append(optimizer_step(loss, optimizer, scaler, f"distillation loss at iteration {iteration + 1}"))
+        total_loss += step_losses[-1]
         steps += 1
         if log is not None and steps % 50 == 0:
             log(f"distillation step {steps}/{iterations - warmup}: mean loss so far {total_loss / steps:.4f}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    quarter = max(1, steps // 4)
     return {
         "loss": total_loss / steps,
+        # Whether the student fitted the ensemble: the mean loss of the first and of the last quarter of the steps.
+        "loss_first_quarter": sum(step_losses[:quarter]) / quarter,
+        "loss_last_quarter": sum(step_losses[-quarter:]) / quarter,
         "steps": steps,
         "iterations": iterations,
         "warmup_iterations": skipped,

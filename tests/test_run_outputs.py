@@ -1,0 +1,56 @@
+"""What a user sees of a run's outputs: an earlier run is never overwritten, a config that is not found is named as
+given, and the first progress line says what actually travels each way for every strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+from server_app.experiment import load_experiment
+from server_app.results import ResultsWriter, unused_output_dir
+from ssl_models.config import ConfigError
+from strategies import get_strategy_class
+
+
+def test_an_earlier_run_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert unused_output_dir(out) == out  # nothing there yet
+    out.mkdir()
+    assert unused_output_dir(out) == out  # an empty folder holds no run
+    writer = ResultsWriter(out)
+    writer.progress("round 1/2 | loss 1.0")  # a partial run: its progress.log is not empty
+    assert unused_output_dir(out) == tmp_path / "run-2"
+    (tmp_path / "run-2").mkdir()
+    (tmp_path / "run-2" / "summary.json").write_text("{}")
+    assert unused_output_dir(out) == tmp_path / "run-3"
+    assert (out / "progress.log").read_text().endswith("round 1/2 | loss 1.0\n")  # untouched
+
+
+def test_a_config_that_is_not_found_is_named_as_given():
+    with pytest.raises(ConfigError, match=r"config: 'configs/nope\.yaml' not found .*give an absolute path"):
+        load_experiment({"config": "configs/nope.yaml"})
+
+
+@pytest.mark.parametrize("name, words", [
+    ("fedssl", "down and up per client and round: the model, 1.00 MiB"),
+    ("central", "one trainer"),
+    ("local", "down: the initial model (1.00 MiB) once per client"),
+])
+def test_first_progress_line_says_what_travels(name, words, tmp_path):
+    strategy = get_strategy_class(name)(clients={0: 10, 1: 11}, clients_per_round=2, state_dir=str(tmp_path))
+    assert words in strategy.traffic(2**20)
+
+
+def test_flesd_and_heterossfl_say_that_no_weights_go_up():
+    flesd = get_strategy_class("flesd").__new__(get_strategy_class("flesd"))
+    flesd.options = {"topk_fraction": 0.1, "similarity": "topk"}
+    flesd.public = [0] * 200
+
+    class Cfg:
+        class model:
+            arch = "resnet18"
+    flesd.cfg = Cfg
+    line = flesd.traffic(2**20)
+    assert "up: no weights, a 200 x 200 similarity matrix" in line and "top 0.1 of each row" in line
+    hetero = get_strategy_class("heterossfl").__new__(get_strategy_class("heterossfl"))
+    hetero.rad_size, hetero.options = 100, {"kernel_encoding": "dense-fp16"}
+    assert "no weights: up, the client's 100 x 100 RAD kernel (dense-fp16)" in hetero.traffic(2**20)
