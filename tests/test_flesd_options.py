@@ -131,7 +131,7 @@ def test_key_encoder_carries_over_or_is_a_fresh_copy_of_each_rounds_student(key_
         with torch.no_grad():  # the momentum encoder drifts during a distillation
             for p in key_encoder.parameters():
                 p.add_(1.0)
-        return {"loss": 1.0, "steps": 1, "iterations": 4, "warmup_iterations": 1, "queue_warmup": queue_warmup,
+        return {"loss": 1.0, "loss_first_quarter": 1.0, "loss_last_quarter": 1.0, "steps": 1, "iterations": 4, "warmup_iterations": 1, "queue_warmup": queue_warmup,
                 "seconds": 0.0, "precision": "fp32"}
 
     monkeypatch.setattr(flesd_module, "distill", fake_distill)
