@@ -1,5 +1,6 @@
 """Config loading and validation: every error names the bad key; pyproject lists every override key."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -34,9 +35,8 @@ def test_defaults_validate():
     ({"train": {"lr": float("nan")}}, "train.lr"),
 ])
 def test_invalid_values_name_the_key(raw, key):
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):
         ExperimentConfig.from_dict(raw)
-    assert str(err.value).startswith(key + ":"), str(err.value)
 
 
 def test_missing_data_path_is_reported_with_its_resolved_location(tmp_path):
@@ -87,7 +87,7 @@ def test_load_experiment_applies_overrides_and_checks_components():
         cfg2 = ExperimentConfig.from_yaml(REPO / "configs/smoke.yaml", {"method.options.tau": 0.1})
         from ssl_models.factory import method_options
         method_options(cfg2)
-    with pytest.raises(ConfigError, match=r"^config: file not found"):
+    with pytest.raises(ConfigError, match=r"^config: 'configs/does-not-exist.yaml' not found \(looked for it in the app"):
         load_experiment({"config": "configs/does-not-exist.yaml"})
 
 
