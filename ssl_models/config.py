@@ -146,6 +146,10 @@ class FederationConfig:
     round_timeout_s: float = 3600.0
     # How long the server waits at start for all clients' nodes to connect (deployments).
     node_wait_s: float = 300.0
+    # Every client reply is validated before it is used; a round goes on with at least this many valid replies
+    # (0: even with none, the global model then unchanged), else the run stops.
+    min_replies: int = 1
+    max_reply_mb: float = 8192.0  # a reply carrying more array data than this is refused
 
 
 @dataclass
@@ -275,6 +279,9 @@ class ExperimentConfig:
                  f"cannot exceed federation.num_clients ({f.num_clients})", f.min_available_clients)
         _require(f.round_timeout_s > 0, "federation.round_timeout_s", "must be > 0", f.round_timeout_s)
         _require(f.node_wait_s >= 0, "federation.node_wait_s", "must be >= 0", f.node_wait_s)
+        _require(0 <= f.min_replies <= f.num_clients, "federation.min_replies",
+                 f"must be in [0, federation.num_clients ({f.num_clients})]", f.min_replies)
+        _require(f.max_reply_mb > 0, "federation.max_reply_mb", "must be > 0", f.max_reply_mb)
         if d.partition == "pathological":
             num_classes = d.synthetic_classes if d.dataset == "synthetic" else None
             if num_classes is not None:

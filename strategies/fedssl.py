@@ -14,10 +14,14 @@ lives in ``strategies.aggregation``; the training in the ClientApp.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
+
+import numpy as np
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -31,6 +35,29 @@ from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_
                          record_bytes, to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
+DEFAULT_MAX_REPLY_BYTES = 8 * 2**30  # a reply larger than this is refused (federation.max_reply_mb sets it)
+
+
+class NotEnoughValidReplies(RuntimeError):
+    """Fewer valid replies than ``federation.min_replies`` in a round: the run stops, the global model unchanged."""
+
+
+class RejectedReply:
+    """Stands in for a client reply that failed validation: it reads as an error reply (``has_error()``, with the
+    reason), so the round counts it among its failed clients and nothing of it is used."""
+
+    def __init__(self, reply: Message, reason: str) -> None:
+        self.metadata = reply.metadata
+        self.error = SimpleNamespace(code=0, reason=f"reply rejected: {reason}")
+        self.content = None
+
+    def has_error(self) -> bool:
+        return True
+
+
+def array_spec(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of the arrays of a record: what a reply must carry back."""
+    return {key: (tuple(record[key].shape), str(record[key].dtype)) for key in record.keys()}
 
 
 @dataclass(frozen=True)
@@ -113,12 +140,18 @@ class FedSSL(Strategy):
         self._round_start: dict[int, float] = {}
         self._bytes_down: dict[int, int] = {}
         self._sent: dict[int, list[Message]] = {}  # each round's messages, to name the clients that failed
+        self._upload_spec: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # per round: expected "arrays"
+        self.max_reply_bytes = DEFAULT_MAX_REPLY_BYTES
+        self.min_replies = 1
+        self._validated: set[int] = set()  # ids of replies already found valid (subclasses screen before super())
         self._foreign_nodes: set[int] = set()  # connected nodes that hold none of this experiment's clients
 
     def prepare(self, cfg, data, split) -> None:
         """Called by the ServerApp once before the first round with the experiment config, the data set and
         its federated split (subclasses that train on the server extend it; call super first)."""
         self.cfg = cfg
+        self.max_reply_bytes = int(cfg.federation.max_reply_mb * 2**20)
+        self.min_replies = int(cfg.federation.min_replies)
 
     # ------------------------------------------------------------------ what is exchanged
     def exchange_prefixes(self, method) -> tuple[str, ...]:
@@ -143,6 +176,7 @@ class FedSSL(Strategy):
         available = self.trainable(self.wait_for_clients(grid, server_round))
         chosen = sample_clients(available, min(self.clients_per_round, len(available)), self.seed, server_round)
         payload = self.arrays_for_round(server_round, arrays)
+        self._upload_spec[server_round] = array_spec(arrays)
         messages = []
         for pid in chosen:
             node = self.clients[pid]
@@ -204,9 +238,90 @@ class FedSSL(Strategy):
         """Per-client payload (hook: FedEMA's cross-device mode sends the client's own state)."""
         return arrays
 
+    # ------------------------------------------------------------------ reply validation
+    def expected_reply_arrays(self, server_round: int, partition_id: int
+                              ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]] | None:
+        """Record name -> {array name: (shape, dtype)} that a client's reply must carry exactly (hook). The
+        averaging strategies: the arrays of the round's global model, which clients upload back (the ServerApp's
+        initial record or the last aggregate). None: no exact expectation (the strategy checks its payload in
+        ``check_reply_payload``)."""
+        spec = self._upload_spec.get(server_round)
+        return {"arrays": spec} if spec is not None else None
+
+    def check_reply_payload(self, server_round: int, partition_id: int, reply: Message) -> str | None:
+        """A strategy's own check of a reply's payload (hook; FLESD's similarity matrix, Hetero-SSFL's kernel);
+        the reason it is unusable, or None."""
+        return None
+
+    def validate_reply(self, server_round: int, reply: Message) -> str | None:
+        """Why ``reply`` must not be used, or None. Checked before anything of it is used: the metrics (partition id
+        of the node it was sent to, example count > 0, a finite loss), the size, the arrays (exactly the expected
+        names, shapes and dtypes where the strategy expects them; finite values), then the strategy's own
+        payload check."""
+        content = reply.content
+        if "metrics" not in content.metric_records:
+            return "no metrics record"
+        m = content["metrics"]
+        pid_of_node = {node: pid for pid, node in self.clients.items()}
+        pid, expected_pid = m.get("partition-id"), pid_of_node.get(reply.metadata.src_node_id)
+        if not isinstance(pid, int) or pid != expected_pid:
+            return f"partition-id {pid!r} does not match the node's client {expected_pid!r}"
+        n = m.get("num-examples")
+        if not isinstance(n, int) or n <= 0:
+            return f"num-examples must be an integer > 0, got {n!r}"
+        loss = m.get("train_loss")
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            return f"train_loss must be a finite number, got {loss!r}"
+        size = sum(record_bytes(rec) for rec in content.array_records.values())
+        if size > self.max_reply_bytes:
+            return f"{size / 2**20:.1f} MiB of arrays exceeds federation.max_reply_mb ({self.max_reply_bytes / 2**20:.0f})"
+        expected = self.expected_reply_arrays(server_round, pid) or {}
+        for name, spec in expected.items():
+            if name not in content.array_records:
+                return f"no {name!r} record"
+            got = array_spec(content.array_records[name])
+            missing, unexpected = sorted(set(spec) - set(got)), sorted(set(got) - set(spec))
+            if missing or unexpected:
+                return (f"record {name!r}: missing arrays {missing[:3]}, unexpected arrays {unexpected[:3]}"
+                        if missing else f"record {name!r}: unexpected arrays {unexpected[:3]}")
+            wrong = [k for k in spec if got[k] != spec[k]]
+            if wrong:
+                k = wrong[0]
+                return f"record {name!r}: array {k!r} has shape/dtype {got[k]}, expected {spec[k]}"
+        for name, record in content.array_records.items():
+            for key in record.keys():
+                values = record[key].numpy()
+                if values.dtype.kind in "fc" and not np.isfinite(values).all():
+                    return f"record {name!r}: array {key!r} holds non-finite values"
+        return self.check_reply_payload(server_round, pid, reply)
+
+    def screen_replies(self, server_round: int, replies: list) -> list:
+        """The round's replies with every invalid one replaced by a ``RejectedReply`` (logged with node, client and
+        reason); stops the run if fewer than ``federation.min_replies`` valid replies remain."""
+        screened = []
+        for r in replies:
+            if not r.has_error() and id(r) not in self._validated:
+                reason = self.validate_reply(server_round, r)
+                if reason is not None:
+                    pid = {node: p for p, node in self.clients.items()}.get(r.metadata.src_node_id)
+                    log(WARNING, "round %d: reply of node %d (client %s) dropped: %s", server_round,
+                        r.metadata.src_node_id, pid, reason)
+                    r = RejectedReply(r, reason)
+                else:
+                    self._validated.add(id(r))
+            screened.append(r)
+        valid = sum(not r.has_error() for r in screened)
+        if valid < self.min_replies:
+            reasons = "; ".join(r.error.reason for r in screened if r.has_error()) or "no reply"
+            raise NotEnoughValidReplies(
+                f"round {server_round}: {valid} valid replies, fewer than federation.min_replies={self.min_replies} "
+                f"({reasons}); the global model is unchanged")
+        return screened
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+        replies = self.screen_replies(server_round, list(replies))
+        self._validated.clear()
         ok = [r for r in replies if not r.has_error()]
         failed = self.failed_clients(server_round, replies)
         for f in failed:

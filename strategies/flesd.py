@@ -22,7 +22,7 @@ from flwr.common.logger import log
 
 from ssl_models.federated.distillation import QUEUE_WARMUPS, build_key_encoder, distill
 from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.federated.similarity import ENCODING_MODES, SPARSIFY_VARIANTS, TOPK, ensemble_similarity
+from ssl_models.federated.similarity import ENCODING_MODES, SPARSIFY_VARIANTS, TOPK, ensemble_similarity, payload_kind
 from ssl_models.data.splits import images_digest, public_images
 from ssl_models.training import resolve_device
 
@@ -156,8 +156,22 @@ class FLESD(FedSSL):
         shared, _ = split_state(self.model, self.exchange_prefixes(self.model))
         return to_array_record(state_to_numpy(shared))
 
+    def expected_reply_arrays(self, server_round, partition_id):
+        return None  # no weights come back: the similarity payload is checked in check_reply_payload
+
+    def check_reply_payload(self, server_round, partition_id, reply):
+        if SIMILARITY_RECORD not in reply.content.array_records:
+            return f"no {SIMILARITY_RECORD!r} record"
+        try:
+            _, n = payload_kind(from_array_record(reply.content[SIMILARITY_RECORD]))
+        except ValueError as exc:
+            return f"similarity payload: {exc}"
+        if n != len(self.public):
+            return f"similarity payload is {n} x {n}, the public set has {len(self.public)} images"
+        return None
+
     def aggregate_train(self, server_round, replies):
-        replies = list(replies)
+        replies = self.screen_replies(server_round, list(replies))
         for r in replies:  # a client on another public set would poison the ensemble: stop the run
             if r.has_error() and "public set mismatch" in r.error.reason:
                 raise RuntimeError(f"round {server_round}: {r.error.reason}")

@@ -211,8 +211,20 @@ class HeteroSSFL(FedSSL):
             weight = float(self.kernel_info[pid]["num_examples"]) if weights_by_size else 1.0
             yield {k: v for k, v in payload.items() if not k.startswith("meta.")}, weight
 
+    def expected_reply_arrays(self, server_round, partition_id):
+        return None  # no weights come back: the kernel payload is checked in check_reply_payload
+
+    def check_reply_payload(self, server_round, partition_id, reply):
+        if KERNEL_RECORD not in reply.content.array_records:
+            return f"no {KERNEL_RECORD!r} record"
+        try:
+            check_kernel_payload(from_array_record(reply.content[KERNEL_RECORD]), self.rad_size)
+        except ValueError as exc:
+            return f"kernel payload: {exc}"
+        return None
+
     def aggregate_train(self, server_round, replies):
-        replies = list(replies)
+        replies = self.screen_replies(server_round, list(replies))
         for r in replies:  # a client on another RAD would poison K_bar: stop the run
             if r.has_error() and "public set mismatch" in r.error.reason:
                 raise RuntimeError(f"round {server_round}: {r.error.reason}")

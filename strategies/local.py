@@ -36,6 +36,12 @@ class Local(FedSSL):
             return ArrayRecord()  # another architecture: the client builds its own seeded initial model
         return arrays  # the shared initial model, once
 
+    def expected_reply_arrays(self, server_round, partition_id):
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None and cfg.client_arch(partition_id) != cfg.model.arch:
+            return None  # a model of its own architecture: only finite values and the size are checked
+        return super().expected_reply_arrays(server_round, partition_id)
+
     def traffic(self, model_bytes: int) -> str:
         return (f"down: the initial model ({model_bytes / 2**20:.2f} MiB) once per client; up: each client's model "
                 "every round, for the server's evaluation only (nothing is aggregated)")

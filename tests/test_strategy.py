@@ -8,6 +8,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from strategies import FedSSL, get_strategy_class
 from strategies.aggregation import sample_clients, weighted_average, weighted_mean
 from fedssl_wire import from_array_record, to_array_record
+from wire_bytes import hand_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +51,7 @@ def test_sample_clients_is_seeded_and_partial():
     rounds = {tuple(sample_clients(ids, 3, seed=0, server_round=r)) for r in range(1, 8)}
     assert len(rounds) > 1  # participation changes across rounds
     assert sample_clients(ids, 10, seed=0, server_round=1) == ids
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^sample_clients: cannot pick 11 of 10 clients"):
         sample_clients(ids, 11, seed=0, server_round=1)
 
 
@@ -78,7 +79,8 @@ def test_configure_train_builds_one_message_per_sampled_client():
     assert cfgs[0] is not cfgs[1]  # per-node config records, never one shared mutable record
     assert all(c["server-round"] == 2 and c["lr"] == 0.25 and c["update-both"] is False for c in cfgs)
     assert "server-round" not in base  # the caller's record is not mutated
-    assert strategy._bytes_down[2] == 2 * arrays.count_bytes()
+    # by hand: one 4 x 4 float32 array (64 bytes) + Flower's 128-byte .npy header + the key "backbone.w" (10)
+    assert strategy._bytes_down[2] == 2 * (64 + 128 + 10)
 
 
 def test_configure_train_samples_only_connected_clients():
@@ -107,17 +109,27 @@ def test_aggregate_train_weights_by_examples_and_skips_errors():
     rec = strategy.round_records[1]
     assert rec["train_loss"] == pytest.approx((10 * 2.0 + 30 * 4.0) / 40)
     assert rec["num_clients"] == 2 and rec["num_failed"] == 1 and rec["num_examples"] == 40
-    assert rec["bytes_up"] == r1.content["arrays"].count_bytes() + r2.content["arrays"].count_bytes()
+    assert rec["bytes_up"] == 2 * (2 * 4 + 128 + len("w"))  # the failed reply carries nothing
+    assert [c["bytes_up"] for c in rec["clients"]] == [137, 137]
     assert [c["id"] for c in rec["clients"]] == [0, 1]
     assert metrics["num-examples"] == 40
 
 
 def test_aggregate_train_with_no_success_keeps_the_global_model():
     strategy = make_strategy()
+    strategy.min_replies = 0  # federation.min_replies: 0 lets a round without any valid reply go on
     failed = Message(Error(code=0, reason="boom"),
                      reply_to=Message(RecordDict(), dst_node_id=100, message_type="train"))
     arrays, _ = strategy.aggregate_train(1, [failed])
     assert arrays is None and strategy.round_records[1]["num_clients"] == 0
+
+
+def test_too_few_valid_replies_stop_the_run():
+    strategy = make_strategy()  # min_replies 1 by default
+    failed = Message(Error(code=0, reason="boom"),
+                     reply_to=Message(RecordDict(), dst_node_id=100, message_type="train"))
+    with pytest.raises(RuntimeError, match=r"round 1: 0 valid replies, fewer than federation.min_replies=1 \(boom\)"):
+        strategy.aggregate_train(1, [failed])
 
 
 def test_aggregate_target_widens_what_is_exchanged_and_update_both_does_not():
@@ -138,7 +150,7 @@ def test_registry():
     assert get_strategy_class("fedssl") is FedSSL
     with pytest.raises(ValueError, match="unknown strategy"):
         get_strategy_class("fedfoo")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^clients_per_round must be in \[1, 1\], got 2"):
         FedSSL(clients={0: 1}, clients_per_round=2)
 
 
@@ -155,15 +167,20 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
         r.content["client-state"] = to_array_record({"target.w": np.full(3, float(m.metadata.dst_node_id))})
         replies.append(r)
     strategy.aggregate_train(1, replies)
-    assert strategy.round_records[1]["bytes_up"] == sum(
-        r.content["arrays"].count_bytes() + r.content["client-state"].count_bytes() for r in replies)
+    # each reply: "w" 2 float32 (8 + 128 + 1) and the state "target.w" 3 float64 (24 + 128 + 8)
+    assert strategy._bytes_down[1] == 2 * 137  # round 1: the empty state records cost nothing
+    assert strategy.round_records[1]["bytes_up"] == 2 * (137 + 160) == hand_bytes_of(replies)
     msgs2 = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(),
                                                                           FakeGrid([100, 101]))}
     np.testing.assert_array_equal(from_array_record(msgs2[101].content["client-state"])["target.w"], [101.0] * 3)
-    assert strategy._bytes_down[2] == sum(m.content["arrays"].count_bytes() + m.content["client-state"].count_bytes()
-                                          for m in msgs2.values())
+    assert strategy._bytes_down[2] == 2 * (137 + 160) == hand_bytes_of(msgs2.values())
     # The server keeps these states on disk, not in memory.
     assert sorted(p.name for p in (tmp_path / "server-side").iterdir()) == ["client_0.npz", "client_1.npz"]
+
+
+def hand_bytes_of(messages) -> int:
+    """Bytes of every array record of the messages, counted from shapes and dtypes (tests/wire_bytes.py)."""
+    return sum(hand_bytes(from_array_record(rec)) for m in messages for rec in m.content.array_records.values())
 
 
 class ReplyingGrid(FakeGrid):
@@ -190,7 +207,7 @@ class ReplyingGrid(FakeGrid):
 
 def test_failed_clients_are_named_with_the_reason_or_the_missing_reply():
     strategy = make_strategy(n=3, k=3)
-    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(),
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1, np.float32)}), ConfigRecord(),
                                          FakeGrid([100, 101, 102])))
     for i, m in enumerate(msgs):  # what the Grid does when it pushes them
         m.metadata.__dict__["_message_id"] = f"m{i}"

@@ -194,6 +194,11 @@ def payload_bytes(payload: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.asarray(array).nbytes for array in payload.values()))
 
 
+def payload_kind(payload: Mapping[str, np.ndarray]) -> tuple[str, int]:
+    """("dense" | "topk", N) of a similarity payload; ValueError if its keys or shapes are not a payload's."""
+    return _payload_kind(payload, None)
+
+
 def _payload_kind(payload: Mapping[str, np.ndarray], n: int | None) -> tuple[str, int]:
     """("dense" | "topk", N) of a payload, checking its arrays' shapes and keys."""
     keys = set(payload)
