@@ -19,6 +19,7 @@ scalars under ``meta.*``). Three places can hold it, chosen by the strategy opti
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -33,6 +34,7 @@ TRAIN_MESSAGE_TYPE = "train"  # a local round that uploads weights
 SIMILARITY_MESSAGE_TYPE = "train.similarity"  # FLESD: a local round that uploads a similarity matrix
 KERNEL_MESSAGE_TYPE = "train.kernel"  # Hetero-SSFL: K_bar down (under "arrays"), the client's RAD kernel up
 ENCODER_QUERY_MESSAGE_TYPE = "query.encoder"  # a client's own encoder, up, for the server's evaluation only
+LAYERWISE_MESSAGE_TYPE = "train.layerwise"  # LW-FedSSL & co.: a stage's sub-model (part) down, the trained part up
 
 ARRAYS_RECORD = "arrays"  # model weights, both ways
 CONFIG_RECORD = "config"  # the round's settings, down
@@ -95,3 +97,61 @@ class DiskStateStore:
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.glob("client_*.npz")) if self.root.is_dir() else 0
+
+    def replace_with(self, snapshot: str | Path) -> None:
+        """Make this store hold exactly the files of ``snapshot`` (a checkpoint's copy of it: resume)."""
+        self.clear()
+        self.root.mkdir(parents=True, exist_ok=True)
+        snapshot = Path(snapshot)
+        if snapshot.is_dir():
+            for item in snapshot.glob("client_*.npz"):
+                shutil.copy2(item, self.root / item.name)
+
+
+class RoundStateStore(DiskStateStore):
+    """A client's state on its own disk, one version per round it trained (``client_<id>.r<round>.npz``), the last
+    ``keep`` kept. A round loads the newest version from an *earlier* round, so a run resumed at round r (after a
+    server that died during round r, when some clients had already saved their round-r state) trains every
+    client from exactly the state it had after round r - 1, as the uninterrupted run did."""
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        super().__init__(root)
+        self.keep = keep
+
+    def versions(self, client_id: int) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        prefix = f"client_{int(client_id)}.r"
+        out = []
+        for path in self.root.glob(f"{prefix}*.npz"):
+            digits = path.name[len(prefix):-len(".npz")]
+            if digits.isdigit():
+                out.append((int(digits), path))
+        return sorted(out)
+
+    def load_before(self, client_id: int, server_round: int) -> dict[str, np.ndarray] | None:
+        """The newest state saved in a round before ``server_round`` (None: the client has none yet)."""
+        earlier = [path for rnd, path in self.versions(client_id) if rnd < server_round]
+        if not earlier:
+            return None
+        with np.load(earlier[-1], allow_pickle=False) as npz:
+            return {key: npz[key] for key in npz.files}
+
+    def save_round(self, client_id: int, server_round: int, state: Mapping[str, np.ndarray]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = self.root / f"client_{int(client_id)}.r{int(server_round):06d}.npz"
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, **{k: np.ascontiguousarray(v) for k, v in state.items()})
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        for _, old in self.versions(client_id)[:-self.keep]:
+            old.unlink(missing_ok=True)
+
+    def load(self, client_id: int) -> dict[str, np.ndarray] | None:
+        """The newest saved state (for a query outside training rounds, e.g. the encoder for evaluation)."""
+        versions = self.versions(client_id)
+        return self.load_before(client_id, versions[-1][0] + 1) if versions else None

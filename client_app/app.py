@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
-from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, DiskStateStore,
+from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
                          from_array_record, to_array_record)
 
 from .tasks import client_encoder_state, kernel_round, local_images, similarity_round, train_local_ssl
@@ -27,17 +27,18 @@ def _partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def _disk_store(config: ConfigRecord, context: Context) -> DiskStateStore:
-    """The node's own ``state-dir`` wins over the server's suggestion; one folder per run."""
+def _disk_store(config: ConfigRecord, context: Context) -> RoundStateStore:
+    """The node's own ``state-dir`` wins over the server's suggestion; one folder per run (a resumed run keeps the
+    folder of the run it continues: the server sends its id as ``state-run``)."""
     fallback = Path.home() / ".cache" / "fedssl" / "client-state"
     root = Path(str(context.node_config.get("state-dir", "") or config.get("state-dir", "") or fallback))
-    folder = root.expanduser() / f"run-{context.run_id}"
+    folder = root.expanduser() / f"run-{config.get('state-run', '') or context.run_id}"
     try:  # the server's suggestion is a path on the server's machine: it may not be writable here
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         folder = fallback / f"run-{context.run_id}"
         print(f"client state: cannot write under {root}; using {folder}", flush=True)
-    return DiskStateStore(folder)
+    return RoundStateStore(folder)
 
 
 def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.ndarray] | None:
@@ -46,7 +47,11 @@ def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.
         record = msg.content.array_records.get(CLIENT_STATE_RECORD)
         return from_array_record(record) if record is not None and len(record) else None
     if mode == "disk":
-        return _disk_store(msg.content["config"], context).load(pid)
+        store = _disk_store(msg.content["config"], context)
+        if not msg.metadata.message_type.startswith("train"):
+            return store.load(pid)  # a query (the encoder for evaluation): the newest state
+        # A training round reads the state of an earlier round (see RoundStateStore): exact after a resume.
+        return store.load_before(pid, int(msg.content["config"]["server-round"]))
     record = context.state.array_records.get(MEMORY_STATE_KEY)
     return from_array_record(record) if record is not None else None
 
@@ -56,7 +61,7 @@ def keep_client_state(msg: Message, context: Context, pid: int, state: dict, rep
     if mode == "server":
         reply[CLIENT_STATE_RECORD] = to_array_record(state)
     elif mode == "disk":
-        _disk_store(msg.content["config"], context).save(pid, state)
+        _disk_store(msg.content["config"], context).save_round(pid, int(msg.content["config"]["server-round"]), state)
     else:
         context.state[MEMORY_STATE_KEY] = to_array_record(state)
 

@@ -26,6 +26,7 @@ from strategies.nodes import query_partitions
 from fedssl_wire import from_array_record, to_array_record
 
 from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for
+from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
 from .results import ResultsWriter, unused_output_dir
 
 app = ServerApp()
@@ -198,33 +199,61 @@ def _points(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.2f} points"
 
 
+def resume_experiment(resume: str) -> tuple[ExperimentConfig, Checkpoint]:
+    """The config and newest complete checkpoint of the run in folder ``resume`` (``resume=<output-dir>``)."""
+    folder = Path(resume).expanduser().resolve()
+    if not folder.is_dir():
+        raise ConfigError(f"resume: {resume!r} is not a folder (give the output folder of the run to continue)")
+    checkpoint = load_latest_checkpoint(folder)
+    cfg = ExperimentConfig.from_dict(checkpoint.meta["config"])
+    cfg.check_files()
+    return cfg, checkpoint
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     started = time.perf_counter()
+    resume = str(context.run_config.get("resume", "") or "")
+    checkpoint = None
     try:
-        cfg, config_path = load_experiment(context.run_config)
+        if resume:
+            cfg, checkpoint = resume_experiment(resume)
+            config_path = Path(str(checkpoint.meta.get("config_file", "")))
+        else:
+            cfg, config_path = load_experiment(context.run_config)
     except (ConfigError, FileNotFoundError) as exc:
         log(ERROR, "Invalid experiment configuration: %s", exc)
         raise
-    wanted_dir = output_dir_for(cfg)
-    out_dir = unused_output_dir(wanted_dir)
-    writer = ResultsWriter(out_dir)
-    say = writer.progress
-    given = str(context.run_config.get("config", "") or DEFAULT_CONFIG)
-    # Named as the user gave it: the app's own copy (under Flower's FLWR_HOME) means nothing to them.
-    shown = given if Path(config_path).is_relative_to(APP_DIR) else str(config_path)
-    say(f"experiment {cfg.name!r} from {shown}; results in {out_dir}")
-    if out_dir != wanted_dir:
-        say(f"{wanted_dir} already holds a run, which is never overwritten: writing to {out_dir} instead")
+    if checkpoint is not None:
+        out_dir = Path(resume).expanduser().resolve()
+        writer = ResultsWriter(out_dir, resume_round=checkpoint.round)
+        say = writer.progress
+        given = str(checkpoint.meta.get("config_file", ""))
+        ignored = sorted(k for k, v in context.run_config.items() if v != "" and k not in ("resume", "config"))
+        say(f"resuming {cfg.name!r} in {out_dir} after round {checkpoint.round} of {cfg.rounds} (checkpoint "
+            f"{checkpoint.path.name}); the run's own config is used" + (f", run-config keys {ignored} ignored"
+                                                                       if ignored else ""))
+    else:
+        wanted_dir = output_dir_for(cfg)
+        out_dir = unused_output_dir(wanted_dir)
+        writer = ResultsWriter(out_dir)
+        say = writer.progress
+        given = str(context.run_config.get("config", "") or DEFAULT_CONFIG)
+        # Named as the user gave it: the app's own copy (under Flower's FLWR_HOME) means nothing to them.
+        shown = given if Path(config_path).is_relative_to(APP_DIR) else str(config_path)
+        say(f"experiment {cfg.name!r} from {shown}; results in {out_dir}")
+        if out_dir != wanted_dir:
+            say(f"{wanted_dir} already holds a run, which is never overwritten: writing to {out_dir} instead")
     try:
-        _run(grid, cfg, given, started, out_dir, writer)
+        _run(grid, cfg, given, started, out_dir, writer, run_id=context.run_id, checkpoint=checkpoint)
     except Exception as exc:
         if not writer.stopped:  # stop_run already wrote the reason of an expected failure
             say(f"stopped: {type(exc).__name__}: {exc}")
         raise
 
 
-def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter) -> None:
+def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter, *,
+         run_id: int, checkpoint: Checkpoint | None) -> None:
     say = writer.progress
     # Data and partition first, before anything waits on clients, so a bad path or split fails at once.
     with stop_run(say, "cannot load the data set", FileNotFoundError, ValueError):
@@ -246,10 +275,18 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         state_dir=str(out_dir / "client_state"),
     )
     strategy.prepare(cfg, data, split)
+    # The clients' state folders are named after the run that started them (a resumed run keeps using them).
+    state_run = str(checkpoint.meta["state_run"]) if checkpoint is not None else str(run_id)
+    strategy.state_run = state_run
     evaluator = ServerEvaluator(cfg)
     initial_model = build_ssl_model(cfg, seed=cfg.seed)
     shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
     initial = to_array_record(state_to_numpy(shared))
+    first_round = 1
+    if checkpoint is not None:
+        strategy.restore_state(checkpoint.meta.get("strategy", {}), checkpoint.strategy_arrays,
+                               {name: str(checkpoint.store_snapshot(name)) for name in checkpoint.meta.get("stores", [])})
+        initial, first_round = to_array_record(checkpoint.global_arrays), checkpoint.round + 1
     say(f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
         f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round; "
         f"{strategy.traffic(initial.count_bytes())}")
@@ -271,17 +308,22 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         clients_list = record.pop("clients", [])
         record["clients"] = clients_list  # keep per-client facts last: the line stays readable
         writer.write_round(record)
+        every = cfg.checkpoint.every
+        if every and (server_round % every == 0 or server_round == cfg.rounds):
+            plain, arrays_state, stores = strategy.checkpoint_state()
+            save_checkpoint(out_dir, server_round, {"config": cfg.to_dict(), "config_file": config_given,
+                                                    "state_run": state_run, "strategy": plain, "stores": sorted(stores)},
+                            from_array_record(arrays), arrays_state, {k: Path(v) for k, v in stores.items()},
+                            keep=cfg.checkpoint.keep)
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
         say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
             f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
             f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok{failed_note(record)}")
         return MetricRecord({"knn_acc": float(record["knn_acc"])}) if record.get("knn_acc") is not None else None
 
-    result = strategy.start(
-        grid=grid, initial_arrays=initial, num_rounds=cfg.rounds, timeout=cfg.federation.round_timeout_s,
-        train_config=ConfigRecord({"experiment": cfg.to_json()}), evaluate_fn=after_round,
-    )
-    final = result.arrays if result.arrays is not None and len(result.arrays) else initial
+    final = strategy.run_rounds(grid, initial, first_round=first_round, num_rounds=cfg.rounds,
+                                timeout=cfg.federation.round_timeout_s,
+                                train_config=ConfigRecord({"experiment": cfg.to_json()}), after_round=after_round)
 
     models = strategy.models_to_evaluate(final)
     for name, model in models.items():  # model.pt, or model_client_<i>.pt for each client's own encoder

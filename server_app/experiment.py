@@ -19,7 +19,7 @@ from strategies import get_strategy_class
 APP_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/default.yaml"
 # Run-config keys that are not YAML settings.
-RUN_ONLY_KEYS = ("config", "output-dir")
+RUN_ONLY_KEYS = ("config", "output-dir", "resume")
 
 
 def resolve_config_path(name: str) -> Path:

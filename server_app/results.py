@@ -47,7 +47,9 @@ def unused_output_dir(path: Path) -> Path:
 
 
 class ResultsWriter:
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, resume_round: int | None = None) -> None:
+        """A new run empties its files; a resumed one (``resume_round``: its checkpoint's round) keeps the metrics of
+        rounds up to that round (later lines came from the round that was cut off) and appends to the log."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -57,8 +59,19 @@ class ResultsWriter:
         self.model_path = self.out_dir / "model.pt"
         self.records: list[dict[str, Any]] = []
         self.stopped = False  # set once a "stopped: why" line is written
-        self.metrics_path.write_text("")
-        self.progress_path.write_text("")
+        if resume_round is None:
+            self.metrics_path.write_text("")
+            self.progress_path.write_text("")
+            return
+        kept = []
+        if self.metrics_path.is_file():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip() and json.loads(line).get("round", 0) <= resume_round:
+                    kept.append(line)
+        self.records = [json.loads(line) for line in kept]
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.metrics_path)
 
     def progress(self, line: str) -> None:
         stamped = f"{time.strftime('%H:%M:%S')} {line}"

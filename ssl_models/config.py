@@ -171,6 +171,14 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Server checkpoints (``<output-dir>/checkpoints/``), from which ``resume=<output-dir>`` continues a run."""
+
+    every: int = 1  # rounds between checkpoints (the last round always has one); 0 disables them
+    keep: int = 2  # the newest checkpoints kept
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -184,6 +192,7 @@ class ExperimentConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -287,6 +296,10 @@ class ExperimentConfig:
             if num_classes is not None:
                 _require(d.classes_per_client <= num_classes, "data.classes_per_client",
                          f"cannot exceed the number of classes ({num_classes})", d.classes_per_client)
+
+        _require(self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)",
+                 self.checkpoint.every)
+        _require(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", self.checkpoint.keep)
 
         e = self.eval
         _require(e.knn_every >= 0, "eval.knn_every", "must be >= 0", e.knn_every)

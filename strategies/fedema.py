@@ -108,6 +108,14 @@ class FedEMA(FedSSL):
                 client["lambda_set_divergence"] = d
         return arrays
 
+    def checkpoint_state(self):
+        plain, arrays, stores = super().checkpoint_state()
+        return {**plain, "autoscaler_lambdas": {str(k): v for k, v in self.autoscaler_lambdas.items()}}, arrays, stores
+
+    def restore_state(self, plain, arrays, stores) -> None:
+        super().restore_state(plain, arrays, stores)
+        self.autoscaler_lambdas = {int(k): float(v) for k, v in plain.get("autoscaler_lambdas", {}).items()}
+
     def aggregate_train(self, server_round, replies):
         arrays, metrics = super().aggregate_train(server_round, replies)
         record = self.round_records.get(server_round)

@@ -162,7 +162,8 @@ class FedSSL(Strategy):
         """Strategy-specific keys added to every client's config (subclasses extend it)."""
         return {"update-both": bool(self.options["update_both"]),
                 "aggregate-target": bool(self.options["aggregate_target"]), "client-update": self.client_update,
-                "client-state": str(self.options["client_state"]), "state-dir": self.state_dir}
+                "client-state": str(self.options["client_state"]), "state-dir": self.state_dir,
+                "state-run": str(getattr(self, "state_run", ""))}
 
     def config_for_client(self, server_round: int, partition_id: int) -> dict[str, Any]:
         """Keys for one client only (hook: FedEMA sends each client its autoscaler lambda as
@@ -380,6 +381,41 @@ class FedSSL(Strategy):
         arrays' size). Strategies that send something else say so (FLESD, Hetero-SSFL, Min-Local, central)."""
         extra = " (+ the averaged target with aggregate_target)" if self.options.get("aggregate_target") else ""
         return f"down and up per client and round: the model, {model_bytes / 2**20:.2f} MiB{extra}"
+
+    # ------------------------------------------------------------------ the rounds
+    def run_rounds(self, grid: Grid, arrays: ArrayRecord, *, first_round: int, num_rounds: int, timeout: float,
+                   train_config: ConfigRecord, after_round: Callable[[int, ArrayRecord], Any]) -> ArrayRecord:
+        """Rounds ``first_round`` .. ``num_rounds`` as Flower's ``Strategy.start`` runs them (train, aggregate,
+        client-side evaluation, then ``after_round`` with the global arrays), but able to start after round 1: a
+        resumed run continues with the round after its checkpoint (``Strategy.start`` has no start round).
+        Returns the final global arrays."""
+        log(INFO, "Starting %s strategy at round %d of %d", type(self).__name__, first_round, num_rounds)
+        self.summary()
+        evaluate_config = ConfigRecord()
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            replies = grid.send_and_receive(messages=self.configure_train(server_round, arrays, train_config, grid),
+                                            timeout=timeout)
+            new_arrays, _ = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+            evaluate_replies = grid.send_and_receive(
+                messages=self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
+            self.aggregate_evaluate(server_round, evaluate_replies)
+            after_round(server_round, arrays)
+        return arrays
+
+    # ------------------------------------------------------------------ checkpoints (server_app/checkpoint.py)
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
+        """What a checkpoint must hold to resume this strategy exactly: (plain JSON-able state, arrays, on-disk
+        stores by name -> folder). Subclasses extend all three (call super)."""
+        stores = {"server-side": str(self.server_store.root)} if self.server_store is not None else {}
+        return {}, {}, stores
+
+    def restore_state(self, plain: dict[str, Any], arrays: dict[str, np.ndarray], stores: dict[str, str]) -> None:
+        """Undo ``checkpoint_state`` after ``prepare`` (``stores``: name -> the checkpoint's snapshot folder)."""
+        if self.server_store is not None and "server-side" in stores:
+            self.server_store.replace_with(stores["server-side"])
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped

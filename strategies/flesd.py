@@ -156,6 +156,20 @@ class FLESD(FedSSL):
         shared, _ = split_state(self.model, self.exchange_prefixes(self.model))
         return to_array_record(state_to_numpy(shared))
 
+    def checkpoint_state(self):
+        plain, arrays, stores = super().checkpoint_state()
+        if self.key_encoder is not None:  # carried over between rounds (key_encoder: carry_over)
+            arrays = {**arrays, **{f"key_encoder.{k}": v.detach().cpu().numpy()
+                                   for k, v in self.key_encoder.state_dict().items()}}
+        return plain, arrays, stores
+
+    def restore_state(self, plain, arrays, stores) -> None:
+        super().restore_state(plain, arrays, stores)
+        key_state = {k[len("key_encoder."):]: v for k, v in arrays.items() if k.startswith("key_encoder.")}
+        if key_state:
+            self.key_encoder = build_key_encoder(self.model)
+            load_partial_state(self.key_encoder, key_state)
+
     def expected_reply_arrays(self, server_round, partition_id):
         return None  # no weights come back: the similarity payload is checked in check_reply_payload
 

@@ -211,6 +211,26 @@ class HeteroSSFL(FedSSL):
             weight = float(self.kernel_info[pid]["num_examples"]) if weights_by_size else 1.0
             yield {k: v for k, v in payload.items() if not k.startswith("meta.")}, weight
 
+    def checkpoint_state(self):
+        plain, arrays, stores = super().checkpoint_state()
+        plain = {**plain, "kernel_info": {str(k): v for k, v in self.kernel_info.items()},
+                 "trained": {str(k): v for k, v in self.trained.items()},
+                 "fetched": {str(k): v for k, v in self.fetched.items()},
+                 "eval_bytes": {str(k): v for k, v in self.eval_bytes.items()}}
+        return plain, arrays, {**stores, "server-kernels": str(self.kernels.root),
+                               "server-encoders": str(self.encoders.root)}
+
+    def restore_state(self, plain, arrays, stores) -> None:
+        super().restore_state(plain, arrays, stores)
+        self.kernels.replace_with(stores["server-kernels"])
+        self.encoders.replace_with(stores["server-encoders"])
+        self.kernel_info = {int(k): dict(v) for k, v in plain["kernel_info"].items()}
+        self.trained = {int(k): int(v) for k, v in plain["trained"].items()}
+        self.fetched = {int(k): str(v) for k, v in plain["fetched"].items()}
+        self.eval_bytes = {int(k): int(v) for k, v in plain["eval_bytes"].items()}
+        if self.kernel_info:
+            self.update_kbar()
+
     def expected_reply_arrays(self, server_round, partition_id):
         return None  # no weights come back: the kernel payload is checked in check_reply_payload
 

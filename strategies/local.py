@@ -36,6 +36,15 @@ class Local(FedSSL):
             return ArrayRecord()  # another architecture: the client builds its own seeded initial model
         return arrays  # the shared initial model, once
 
+    def checkpoint_state(self):
+        plain, arrays, stores = super().checkpoint_state()
+        return {**plain, "started": sorted(self.started)}, arrays, {**stores, "local-models": str(self.models.root)}
+
+    def restore_state(self, plain, arrays, stores) -> None:
+        super().restore_state(plain, arrays, stores)
+        self.started = set(int(p) for p in plain.get("started", []))
+        self.models.replace_with(stores["local-models"])
+
     def expected_reply_arrays(self, server_round, partition_id):
         cfg = getattr(self, "cfg", None)
         if cfg is not None and cfg.client_arch(partition_id) != cfg.model.arch:

@@ -111,6 +111,72 @@ def test_disk_mode_keeps_client_state_out_of_memory(cfg, run_identity, tmp_path)
     assert not app(msg, ctx).has_error()
     assert len(ctx.state.array_records) == 0  # nothing held in the node's memory between rounds
     files = list((tmp_path / "run-9").glob("client_*.npz"))
-    assert [f.name for f in files] == ["client_0.npz"]
+    assert [f.name for f in files] == ["client_0.r000001.npz"]  # one version per round (RoundStateStore)
     with np.load(files[0]) as saved:
         assert any(k.startswith("target_") for k in saved.files) and int(saved["meta.last_round"][0]) == 1
+
+
+STEM = "backbone.stem.0.weight"
+
+
+def train_message(cfg, rnd, **config):
+    return Message(RecordDict({"arrays": to_array_record(global_shared(cfg)), "config": ConfigRecord({
+        "experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, **config})}),
+        dst_node_id=5, message_type="train")
+
+
+def test_server_client_state_is_read_from_the_message_and_returned_in_the_reply(cfg, run_identity, tmp_path):
+    """client_state: server on the client side: the state comes with the message and goes back in the reply;
+    nothing stays on the node (memory or disk)."""
+    ctx = Context(run_id=3, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                  run_config={})
+    server_dir = tmp_path / "server-suggestion"
+    first = train_message(cfg, 1, **{"client-state": "server", "state-dir": str(server_dir)})
+    first.content["client-state"] = to_array_record({})  # what the strategy sends a client without state yet
+    reply = app(first, ctx)
+    assert not reply.has_error(), reply.error
+    state = from_array_record(reply.content["client-state"])
+    assert int(state["meta.last_round"][0]) == 1 and "target_" + STEM in state
+    assert len(ctx.state.array_records) == 0 and not server_dir.exists()
+
+    # Round 2: the server sends the state back, marked; the client's target must continue from the marked one
+    # (BYOL, momentum 0.9, one step): target = 0.9 * 0.5 + 0.1 * online.
+    state["target_" + STEM] = np.full_like(state["target_" + STEM], 0.5)
+    second = train_message(cfg, 2, **{"client-state": "server", "state-dir": str(server_dir)})
+    second.content["client-state"] = to_array_record(state)
+    reply2 = app(second, ctx)
+    assert not reply2.has_error(), reply2.error
+    state2 = from_array_record(reply2.content["client-state"])
+    online = from_array_record(reply2.content["arrays"])[STEM]
+    np.testing.assert_allclose(state2["target_" + STEM], 0.9 * 0.5 + 0.1 * online, rtol=1e-4, atol=1e-6)
+    assert int(state2["meta.last_round"][0]) == 2
+    assert len(ctx.state.array_records) == 0 and not server_dir.exists()
+
+
+def _saved_states(folder):
+    """Every client-state file under ``folder`` (whatever the store's file layout), as dicts."""
+    out = []
+    for path in sorted(folder.glob("client_0*.npz")):
+        with np.load(path) as npz:
+            out.append((path, {k: npz[k] for k in npz.files}))
+    return out
+
+
+def test_a_nodes_own_state_dir_wins_over_the_servers_suggestion(cfg, run_identity, tmp_path):
+    node_dir, server_dir = tmp_path / "node", tmp_path / "server"
+    ctx = Context(run_id=9, node_id=5, state=RecordDict(), run_config={},
+                  node_config={"partition-id": 0, "num-partitions": 2, "state-dir": str(node_dir)})
+    config = {"client-state": "disk", "state-dir": str(server_dir)}
+    assert not app(train_message(cfg, 1, **config), ctx).has_error()
+    saved = _saved_states(node_dir / "run-9")
+    assert saved and not server_dir.exists()
+    # Round 2 loads from the node's folder: mark the target there and watch round 2 continue from it.
+    for path, state in saved:
+        state["target_" + STEM] = np.full_like(state["target_" + STEM], 0.5)
+        np.savez(path, **state)
+    reply = app(train_message(cfg, 2, **config), ctx)
+    assert not reply.has_error(), reply.error
+    after = [state for _, state in _saved_states(node_dir / "run-9") if int(state["meta.last_round"][0]) == 2]
+    assert len(after) == 1 and not server_dir.exists()
+    online = from_array_record(reply.content["arrays"])[STEM]
+    np.testing.assert_allclose(after[0]["target_" + STEM], 0.9 * 0.5 + 0.1 * online, rtol=1e-4, atol=1e-6)

@@ -103,7 +103,7 @@ def test_pyproject_run_config_lists_every_setting():
                 yield prefix + k, v
 
     flat = dict(flatten(section))
-    expected = {k for k in leaf_keys() if k != "output_dir"} | {"config", "output-dir"}
+    expected = {k for k in leaf_keys() if k != "output_dir"} | {"config", "output-dir", "resume"}
     assert set(flat) == expected
     assert all(v == "" for k, v in flat.items() if k != "config")
 

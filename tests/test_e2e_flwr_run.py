@@ -107,7 +107,8 @@ def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
     assert summary["config"]["augment"]["jitter_p"] == 0.8  # the recipe is recorded with the run
     assert summary["config"]["strategy"]["options"]["lambda_from"] == "server_first_round"
     files = sorted(p.name for p in (out / "client_state").glob("run-*/client_*.npz"))
-    assert files == ["client_0.npz", "client_1.npz"]
+    # One version per round trained, the last two kept (RoundStateStore): rounds 2 and 3.
+    assert files == ["client_0.r000002.npz", "client_0.r000003.npz", "client_1.r000002.npz", "client_1.r000003.npz"]
 
 
 def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):

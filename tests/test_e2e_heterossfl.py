@@ -61,11 +61,11 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     from ssl_models.data.splits import public_images
     from ssl_models.factory import build_ssl_model, load_partial_state
     from ssl_models.federated.kernel_alignment import decode_kernel
-    from fedssl_wire import DiskStateStore
+    from fedssl_wire import DiskStateStore, RoundStateStore
 
     cfg = ExperimentConfig.from_dict(summary["config"])
     (state_dir,) = list((out / "client_state").glob("run-*"))
-    state = DiskStateStore(state_dir).load(1)
+    state = RoundStateStore(state_dir).load(1)
     model = build_ssl_model(cfg, seed=0, arch="resnet34")
     load_partial_state(model, {k: v for k, v in state.items() if not k.startswith("meta.")})
     model.eval()
