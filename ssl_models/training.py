@@ -71,7 +71,9 @@ def fast_path_for(device: torch.device, enabled: bool) -> FastPath:
     if not enabled:
         return FastPath(None, False, False)
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # including_emulation=False: torch's default also says True on pre-Ampere GPUs (V100, T4), which only
+        # emulate bf16 (slow); those get fp16 with a gradient scaler
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return FastPath(torch.bfloat16, True, False)
         return FastPath(torch.float16, True, True)
     if device.type == "cpu" and cpu_has_fast_bf16():

@@ -103,7 +103,7 @@ def test_load_torchvision_missing_files_explains_alternatives(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"cifar10.*\.npz.*place the torchvision cifar10 files") as info:
         load_torchvision("cifar10", tmp_path, download=False)
     assert str(tmp_path) in str(info.value)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"could not load cifar100 .*place the torchvision cifar100 files"):
         load_dataset("cifar100", root=tmp_path)
 
 

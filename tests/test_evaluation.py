@@ -267,7 +267,7 @@ def test_evaluate_backbone_can_skip_scores(tiny_backbone, tiny_data):
     )
     assert result["knn_acc"] is None and result["linear_probe_acc"] is None
     assert "train_features" not in result
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'not_a_protocol_key'"):
         evaluate_backbone(backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10,
                           not_a_protocol_key=1)
 

@@ -43,7 +43,7 @@ def test_ema_merge_hand_computation():
     np.testing.assert_allclose(out["enc.w"], [0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 6])  # [2.5, 5.0]
     assert out["enc.w"].dtype == np.float32
     assert int(out["enc.bn.num_batches_tracked"]) == 7 and "other.w" not in out
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^ema_merge: mu must be in \[0, 1\], got 1.5"):
         ema_merge(local, glob, 1.5, ("enc.",))
 
 
@@ -112,10 +112,13 @@ def test_fedema_ema_update_matches_hand_computation_and_keeps_own_target(cfg):
     own = model_state(cfg, 3)
     glob = shared_of(model_state(cfg, 4), method)
     d = l2_divergence(glob, own, ENC)
-    lam = 0.05
-    info = fedema_download(method, glob, client_state_from(own, last_round=4, lam=lam), 5,
+    # The option's lambda gives mu = 0.4 (not capped at 1); the client's stored lambda (an autoscaler leftover)
+    # differs and must not be used.
+    lam = 0.4 / d
+    info = fedema_download(method, glob, client_state_from(own, last_round=4, lam=0.8 / d), 5,
                            fedema_options(mu_mode="lambda", **{"lambda": lam}))
     mu = min(lam * d, 1.0)
+    assert mu == pytest.approx(0.4)
     assert info["ema"] and info["mu"] == pytest.approx(mu) and info["divergence"] == pytest.approx(d)
     now = state_to_numpy(method.state_dict())
     for key in ("backbone.stem.0.weight", "projector.net.0.weight" if "projector.net.0.weight" in now else
@@ -131,6 +134,44 @@ def test_fedema_autoscaler_first_ema_uses_tau_and_stores_lambda(cfg):
     info = fedema_download(method, glob, client_state_from(own, last_round=1), 2, fedema_options(tau=0.7))
     assert info["mu"] == pytest.approx(0.7, abs=1e-12)
     assert info["lambda"] == pytest.approx(0.7 / l2_divergence(glob, own, ENC))
+
+
+def test_fedema_divergence_easyfl_uses_the_stored_update_size_not_the_paper_form(cfg):
+    method = build_ssl_model(cfg, seed=1)
+    own, glob = model_state(cfg, 3), shared_of(model_state(cfg, 4), method)
+    d_paper = l2_divergence(glob, own, ENC)
+    state = {**client_state_from(own, last_round=1), "meta.update_size": np.array([0.8])}
+    assert abs(d_paper - 0.8) > 0.1
+    info = fedema_download(method, glob, state, 2, fedema_options(divergence="easyfl", mu_mode="lambda",
+                                                                   **{"lambda": 0.5}))
+    assert info["divergence"] == 0.8 and info["divergence_paper"] == pytest.approx(d_paper)
+    assert info["mu"] == pytest.approx(0.4)  # lambda * d = 0.5 * 0.8
+    now = state_to_numpy(method.state_dict())
+    enc = "backbone.stem.0.weight"
+    np.testing.assert_allclose(now[enc], 0.4 * own[enc] + 0.6 * glob[enc], rtol=1e-5, atol=1e-7)
+    paper = build_ssl_model(cfg, seed=1)  # the same state under divergence: paper uses ||W_g - W_k||
+    info_paper = fedema_download(paper, glob, state, 2, fedema_options(mu_mode="lambda", **{"lambda": 0.5}))
+    assert info_paper["divergence"] == pytest.approx(d_paper) and info_paper["mu"] == pytest.approx(min(0.5 * d_paper, 1))
+
+
+def test_fedema_easyfl_divergence_over_real_rounds_is_the_last_local_update_computed_here(cfg):
+    opts = fedema_options(divergence="easyfl", mu_mode="lambda", **{"lambda": 0.5})
+    method = build_ssl_model(cfg, seed=0)
+    glob = state_to_numpy(split_state(method, method.shared_prefixes())[0])
+    images = client_images(cfg, 0)
+    r1 = train_local_ssl(cfg, images, glob, None, server_round=1, partition_id=0, lr=0.05, rule="fedema",
+                         rule_options=opts)
+    # a first participation takes the global model as it is: the local update is glob -> the kept model
+    keys = [k for k in glob if k.startswith("backbone.") and glob[k].ndim == 4]
+    expected = float(np.mean([np.linalg.norm(glob[k].astype(np.float64) - r1.client_state[k].astype(np.float64))
+                              for k in keys]))
+    assert len(keys) > 10 and expected > 0
+    assert float(r1.client_state["meta.update_size"][0]) == pytest.approx(expected, rel=1e-9)
+    r2 = train_local_ssl(cfg, images, glob, r1.client_state, server_round=2, partition_id=0, lr=0.05, rule="fedema",
+                         rule_options=opts)
+    assert r2.info["divergence"] == pytest.approx(expected, rel=1e-9)
+    assert r2.info["divergence_paper"] != pytest.approx(expected, rel=1e-3)
+    assert r2.info["mu"] == pytest.approx(min(0.5 * expected, 1.0), rel=1e-9)
 
 
 def test_fedema_client_skipped_last_round_restarts_from_global(cfg):

@@ -215,15 +215,21 @@ def test_the_clientapp_hands_the_servers_lambda_to_the_download_rule(cfg):
     fedema_cfg.strategy.options = options()
     glob = initial_global(cfg)
     replies = []
-    for server_round, extra in ((1, {}), (2, {"rule-input.server_lambda": 0.5})):
+    lam = None
+    for server_round in (1, 2):
+        extra = {} if lam is None else {"rule-input.server_lambda": lam}
         msg = Message(RecordDict({"arrays": to_array_record(glob), "config": ConfigRecord({
             "experiment": fedema_cfg.to_json(), "server-round": server_round, "lr": 0.05, "client-update": "fedema",
             "client-state": "memory", **extra})}), dst_node_id=5, message_type="train")
         replies.append(app(msg, ctx))
         assert not replies[-1].has_error(), replies[-1].error
+        # a lambda that makes round 2's mu 0.3 exactly (not capped at 1): d = ||W_g - W_k||, W_k the round-1 upload
+        d = l2_divergence(glob, from_array_record(replies[-1].content["arrays"]), ONLINE)
+        lam = 0.3 / d
     m = replies[1].content["metrics"]
-    assert m["rule.lambda"] == 0.5 and m["rule.lambda_from_server"] == 1 and m["rule.ema"] == 1
-    assert m["rule.mu"] == pytest.approx(min(1.0, 0.5 * m["rule.divergence"]))
+    assert m["rule.lambda"] == pytest.approx(0.3 / m["rule.divergence"], rel=1e-9)
+    assert m["rule.lambda_from_server"] == 1 and m["rule.ema"] == 1
+    assert m["rule.mu"] == pytest.approx(0.3, rel=1e-9)
     assert "meta.lambda" not in from_array_record(ctx.state.array_records[MEMORY_STATE_KEY])
 
 

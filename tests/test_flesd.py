@@ -10,12 +10,14 @@ from client_app.tasks import PublicSetMismatch, similarity_round, train_local_ss
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import load_dataset
-from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
 from ssl_models.methods.losses import proximal_term
-from ssl_models.federated.similarity import decode_similarity, topk_count
+from ssl_models.federated.similarity import topk_count
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
+import strategies.flesd as flesd_module
 from strategies import FLESD, FedProx, Local
 from fedssl_wire import from_array_record, to_array_record
+from wire_bytes import hand_bytes
 
 TINY = {
     "rounds": 2,
@@ -58,27 +60,54 @@ def test_public_set_is_disjoint_from_clients_and_hash_checked(cfg):
                          partition_id=0, lr=1e-3, public_digest="0" * 64, similarity="topk", topk_fraction=0.1)
 
 
-def test_similarity_round_uploads_topk_rows_and_keeps_a_foreign_architecture(cfg):
+def projector_similarities(cfg, partition_id, client_state, public):
+    """Cosines of the client's projector outputs on the public images, recomputed here in float64 from the
+    model the client kept: eval mode, no augmentation, projector(backbone(x)) (FLESD's representations)."""
+    method = build_ssl_model(cfg, seed=0, arch=cfg.client_arch(partition_id))
+    load_partial_state(method, {k: v for k, v in client_state.items() if not k.startswith("meta.")})
+    method.eval()
+    x = torch.from_numpy(public).permute(0, 3, 1, 2).float() / 255.0
+    with torch.no_grad():
+        z = method.projector(method.backbone(x)).double()
+    assert z.shape[1] == cfg.method.options["proj_out_dim"]
+    z = z / z.norm(dim=1, keepdim=True)
+    return (z @ z.t()).numpy()
+
+
+def test_similarity_round_uploads_the_topk_of_its_projector_cosines_and_keeps_a_foreign_architecture(cfg):
     public = public_images(cfg)
     digest = images_digest(public)
     r = similarity_round(cfg, client_images(cfg, 1), public, {}, None, server_round=1, partition_id=1, lr=1e-3,
                          public_digest=digest, similarity="topk", topk_fraction=0.1)
     n, k = len(public), topk_count(len(public), 0.1)
+    assert (n, k) == (40, 5)
     assert r.payload["values"].shape == (n, k) and r.payload["values"].dtype == np.float16
-    dense, mask = decode_similarity(r.payload, n)
-    assert mask.sum() == n * k and torch.allclose(torch.diagonal(dense), torch.ones(n), atol=1e-2)  # self-sim
-    # The ResNet-34 client keeps its own weights between rounds: its state holds a layer ResNet-18 lacks.
+    assert r.payload["indices"].shape == (n, k) and r.payload["indices"].dtype == np.uint8
+    sim = projector_similarities(cfg, 1, r.client_state, public)
+    values, indices = r.payload["values"].astype(np.float64), r.payload["indices"].astype(np.int64)
+    for i in range(n):
+        row = sim[i]
+        np.testing.assert_allclose(values[i], row[indices[i]], atol=1e-3)  # each kept value is that cosine
+        assert len(set(indices[i].tolist())) == k
+        kth_largest = np.sort(row)[::-1][k - 1]
+        assert values[i].min() >= kth_largest - 1e-3  # and they are the row's k largest
+    # The ResNet-34 client keeps its own weights between rounds: its state holds a layer ResNet-18 lacks, and
+    # round 2 continues from it (learning rate 0: the weights stay exactly the kept ones).
     assert "backbone.layer3.5.conv1.weight" in r.client_state
     r2 = similarity_round(cfg, client_images(cfg, 1), public, {}, r.client_state, server_round=2, partition_id=1,
-                          lr=1e-3, public_digest=digest, similarity="dense-fp16")
+                          lr=0.0, public_digest=digest, similarity="dense-fp16")
+    for key in ("backbone.layer3.5.conv1.weight", "projector.0.weight"):
+        np.testing.assert_array_equal(r2.client_state[key], r.client_state[key])
     assert r2.payload["values"].shape == (n, n) and r2.payload["values"].dtype == np.float16
+    np.testing.assert_allclose(r2.payload["values"].astype(np.float64),
+                               projector_similarities(cfg, 1, r2.client_state, public), atol=1e-3)
 
 
 def reply(request, content):
     return Message(content, reply_to=request)
 
 
-def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path):
+def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path, monkeypatch):
     data = load_dataset("synthetic", synthetic_sizes=(160, 40, 10))
     strategy = FLESD(clients={0: 10, 1: 11}, clients_per_round=2, options=cfg.strategy.options,
                      state_dir=str(tmp_path))
@@ -89,7 +118,17 @@ def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path
         def get_node_ids(self):
             return [10, 11]
 
+    ensembles = []
+
+    def recording_distill(model, public, ensemble, **kwargs):
+        ensembles.append(ensemble.clone())
+        return real_distill(model, public, ensemble, **kwargs)
+
+    real_distill = flesd_module.distill
+    monkeypatch.setattr(flesd_module, "distill", recording_distill)
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, initial, ConfigRecord(), Grid())}
+    # bytes down: the global arrays to the ResNet-18 client only, counted from shapes and dtypes
+    assert strategy._bytes_down[1] == hand_bytes(global_shared(cfg))
     assert msgs[10].metadata.message_type == "train.similarity"
     assert len(msgs[10].content["arrays"]) > 0 and len(msgs[11].content["arrays"]) == 0  # R34 keeps its own
     assert msgs[10].content["config"]["public-digest"] == images_digest(public_images(cfg))
@@ -105,8 +144,22 @@ def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path
     old = from_array_record(initial)
     assert set(new) == set(old)
     assert any(not np.array_equal(new[k], old[k]) for k in new)  # the distillation trained the global model
+    # the ensemble the server distilled: the mean over clients of exp((M - rowmax) / tau_T), M the dense matrix
+    # with every dropped similarity set to 0 (zero_similarity), rebuilt here from the uploaded top-k rows
+    tau = cfg.strategy.options.get("target_temperature", 0.1)
+    expected = np.zeros((40, 40))
+    for r in replies:
+        payload = from_array_record(r.content["similarity"])
+        dense = np.zeros((40, 40))
+        for i in range(40):
+            dense[i, payload["indices"][i].astype(np.int64)] = payload["values"][i].astype(np.float64)
+        expected += np.exp((dense - dense.max(axis=1, keepdims=True)) / tau) / len(replies)
+    assert len(ensembles) == 1
+    np.testing.assert_allclose(ensembles[0].double().numpy(), expected, rtol=1e-5, atol=1e-6)
     rec = strategy.round_records[1]
-    assert rec["bytes_up"] == sum(r.content["similarity"].count_bytes() for r in replies)
+    # bytes up, by hand: per client 40 x 5 float16 values and 40 x 5 uint8 indices, each array with Flower's
+    # 128-byte header and its key's length: (400 + 128 + 6) + (200 + 128 + 7) = 869
+    assert rec["bytes_up"] == 2 * 869 == sum(hand_bytes(from_array_record(r.content["similarity"])) for r in replies)
     assert rec["distill_steps"] > 0 and np.isfinite(rec["distill_loss"])
     assert [c["arch"] for c in rec["clients"]] == ["resnet18", "resnet34"]
     bad = Message(Error(code=0, reason="PublicSetMismatch: public set mismatch on client 1"), reply_to=msgs[11])
@@ -167,3 +220,43 @@ def test_min_local_sends_the_initial_model_once_and_never_aggregates(tmp_path, i
     assert list(models) == ["client_0"]
     np.testing.assert_array_equal(from_array_record(models["client_0"].arrays)["backbone.w"], np.ones(3))
     assert models["client_0"].arch == "resnet34"  # each client's own architecture, to rebuild it
+
+
+def test_public_source_client0_uses_client_0s_partition_and_client_0_does_not_train(identity, tmp_path):
+    from flwr.app import Context
+
+    from client_app.app import app
+
+    cfg = ExperimentConfig.from_dict({**TINY, "data": {**TINY["data"], "public_size": 0},
+                                      "model": {"arch": "resnet18", "width": 0.125}, "federation": {"num_clients": 3},
+                                      "strategy": {"name": "flesd", "options": {**TINY["strategy"]["options"],
+                                                                                "public_source": "client0"}}})
+    data = load_dataset("synthetic", synthetic_sizes=(160, 40, 10))
+    strategy = FLESD(clients={0: 10, 1: 11, 2: 12}, clients_per_round=3, options=cfg.strategy.options,
+                     state_dir=str(tmp_path))
+    strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
+    np.testing.assert_array_equal(strategy.public, client_images(cfg, 0))  # the public set is client 0's data
+
+    class Grid:
+        def get_node_ids(self):
+            return [10, 11, 12]
+
+    initial = to_array_record(global_shared(cfg))
+    msgs = list(strategy.configure_train(1, initial, ConfigRecord({"experiment": cfg.to_json()}), Grid()))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 12]  # client 0 holds the public set: no training
+    for m in msgs:
+        assert m.content["config"]["public-source"] == "client0"
+        assert m.content["config"]["public-digest"] == images_digest(client_images(cfg, 0))
+    # The ClientApp follows the message: it loads client 0's partition as the public set (the digest matches) and
+    # uploads the similarities of that set, 1 x N x k for N = client 0's size.
+    m = msgs[0]
+    pid = m.metadata.dst_node_id - 10
+    ctx = Context(run_id=1, node_id=m.metadata.dst_node_id, state=RecordDict(), run_config={},
+                  node_config={"partition-id": pid, "num-partitions": 3})
+    m.content["config"]["lr"] = 1e-3
+    m.content["config"]["client-state"] = "memory"
+    out = app(m, ctx)
+    assert not out.has_error(), out.error
+    n = len(client_images(cfg, 0))
+    assert from_array_record(out.content["similarity"])["values"].shape == (n, topk_count(n, 0.1))
+    assert out.content["metrics"]["num-examples"] == len(client_images(cfg, pid))

@@ -12,7 +12,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
 from client_app.tasks import PublicSetMismatch, initial_client_model, kernel_round, train_local_ssl
-from fedssl_wire import KERNEL_RECORD, from_array_record, record_bytes, to_array_record
+from fedssl_wire import KERNEL_RECORD, from_array_record, to_array_record
+from wire_bytes import hand_bytes
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import load_dataset
@@ -314,9 +315,11 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
             replies.append(kernel_reply(m, pid, kernel, 40 + 10 * pid))
         strategy.aggregate_train(rnd, replies)
         record = strategy.round_records[rnd]
-        assert record["bytes_up"] == record["kernel_bytes_up"] == sum(
-            record_bytes(r.content[KERNEL_RECORD]) for r in replies)
-        assert record["bytes_down"] == len(msgs) * record["kbar_bytes_per_client"]
+        # by hand: a 6 x 6 float32 kernel (144 + 128-byte header + len("values")) and its float32 scale (4 + 128 + 5)
+        assert record["bytes_up"] == record["kernel_bytes_up"] == len(replies) * (144 + 128 + 6 + 4 + 128 + 5)
+        sent = [hand_bytes(from_array_record(m.content["arrays"])) for m in msgs]  # K_bar, from shapes and dtypes
+        assert record["bytes_down"] == sum(sent) == len(msgs) * record["kbar_bytes_per_client"]
+        assert (sent[0] > 0) == (rnd > 1)
         assert record["kernels_stored"] == len(latest)
     assert len({pid for chosen in seen_rounds for pid in chosen}) > 2  # partial participation reached others
     assert any(set(a) != set(b) for a, b in zip(seen_rounds, seen_rounds[1:]))

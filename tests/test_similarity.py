@@ -21,6 +21,7 @@ from ssl_models.federated.similarity import (
     index_dtype,
     pack_topk,
     payload_bytes,
+    public_representations,
     similarity_matrix,
     similarity_topk,
     topk_count,
@@ -264,6 +265,37 @@ def test_distillation_targets_give_uniform_rows_when_the_queue_holds_only_zeros(
     torch.testing.assert_close(targets, torch.tensor([[0.25] * 4, [0.25] * 4]))
     with pytest.raises(ValueError, match="queue_idx"):
         distillation_targets(ensemble, torch.tensor([0]), torch.tensor([3]))
+
+
+# ---------------------------------------------------------------------------------------------- client side
+def test_public_representations_are_the_projector_outputs_in_eval_mode() -> None:
+    from ssl_models.methods import build_method
+    from ssl_models.networks import build_backbone
+
+    torch.manual_seed(0)
+    backbone, dim = build_backbone("resnet18", width=0.125)
+    method = build_method("simclr", backbone, dim, proj_hidden_dim=16, proj_out_dim=8)
+    with torch.no_grad():  # BN running statistics away from (0, 1), so eval and train mode differ
+        for module in method.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.running_mean.uniform_(-0.2, 0.2)
+                module.running_var.uniform_(0.5, 1.5)
+    method.train()
+    images = np.random.default_rng(0).integers(0, 256, size=(10, 16, 16, 3), dtype=np.uint8)
+    reps = public_representations(method, images, batch_size=4)  # 4 + 4 + 2: batches are joined in order
+    assert method.training and all(m.training for m in method.modules())  # the caller's mode is restored
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
+    method.eval()
+    with torch.no_grad():
+        expected = method.projector(method.backbone(x))
+        features = method.backbone(x)
+    assert reps.shape == (10, 8) and reps.dtype == torch.float32
+    torch.testing.assert_close(reps, expected, rtol=1e-5, atol=1e-6)
+    assert features.shape == (10, dim) != reps.shape  # not the backbone features
+    method.train()
+    with torch.no_grad():
+        in_train_mode = method.projector(method.backbone(x))
+    assert not torch.allclose(reps, in_train_mode, atol=1e-3)  # and not batch statistics
 
 
 # ---------------------------------------------------------------------------------------------- memory check

@@ -18,6 +18,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from client_app.app import app
 from client_app.tasks import fedssl_download, train_local_ssl
 from fedssl_wire import MEMORY_STATE_KEY, from_array_record, to_array_record
+from wire_bytes import hand_bytes
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
@@ -65,7 +66,8 @@ def initial_arrays(cfg, strategy) -> dict[str, np.ndarray]:
 
 
 def nbytes(state) -> int:
-    return to_array_record(state).count_bytes()
+    """Bytes of one record carrying ``state``, from shapes and dtypes (tests/wire_bytes.py), not Flower's count."""
+    return hand_bytes(state)
 
 
 # ---------------------------------------------------------------------------------- download: what is used
@@ -143,7 +145,8 @@ def test_update_both_through_the_strategy_and_the_clientapp(method):
     arrays = to_array_record(initial_arrays(cfg, strategy))
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({"experiment": cfg.to_json(), "lr": 0.05}),
                                              Grid()))
-    assert strategy._bytes_down[1] == 2 * arrays.count_bytes()
+    sent = initial_arrays(cfg, strategy)
+    assert strategy._bytes_down[1] == 2 * nbytes(sent)
     replies = []
     for msg in messages:
         pid = msg.metadata.dst_node_id - 100
@@ -159,7 +162,7 @@ def test_update_both_through_the_strategy_and_the_clientapp(method):
         replies.append(out)
     new_global, _ = strategy.aggregate_train(1, replies)
     record = strategy.round_records[1]
-    assert record["bytes_up"] == 2 * arrays.count_bytes() == record["bytes_down"]
+    assert record["bytes_up"] == 2 * nbytes(sent) == record["bytes_down"]
     assert list(new_global.keys()) == list(arrays.keys())
 
 
