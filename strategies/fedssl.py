@@ -365,6 +365,8 @@ class FedSSL(Strategy):
         for r in replies:
             if r.has_error():
                 pid = pid_of_message.get(r.metadata.reply_to_message_id)
+                if pid is None:  # no message id to match (not pushed through a SuperLink): the sending node's client
+                    pid = pid_of_node.get(r.metadata.src_node_id)
                 failed[pid if pid is not None else f"node {r.metadata.src_node_id}"] = r.error.reason
         for m in sent:
             pid = pid_of_node.get(m.metadata.dst_node_id)
