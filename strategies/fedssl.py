@@ -283,8 +283,9 @@ class FedSSL(Strategy):
             got = array_spec(content.array_records[name])
             missing, unexpected = sorted(set(spec) - set(got)), sorted(set(got) - set(spec))
             if missing or unexpected:
-                return (f"record {name!r}: missing arrays {missing[:3]}, unexpected arrays {unexpected[:3]}"
-                        if missing else f"record {name!r}: unexpected arrays {unexpected[:3]}")
+                parts = ([f"missing arrays {missing[:3]}"] if missing else []) + \
+                    ([f"unexpected arrays {unexpected[:3]}"] if unexpected else [])
+                return f"record {name!r}: " + ", ".join(parts)
             wrong = [k for k in spec if got[k] != spec[k]]
             if wrong:
                 k = wrong[0]
