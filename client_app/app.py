@@ -17,7 +17,7 @@ from ssl_models.training import TrainStats
 from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
                          from_array_record, to_array_record)
 
-from .tasks import client_encoder_state, kernel_round, local_images, similarity_round, train_local_ssl
+from .tasks import client_encoder_state, kernel_round, layerwise_round, local_images, similarity_round, train_local_ssl
 
 app = ClientApp()
 
@@ -200,3 +200,25 @@ def query_encoder(msg: Message, context: Context) -> Message:
     last = state.get("meta.last_round")
     metrics = {"partition-id": pid, "last-round": int(last.reshape(-1)[0]) if last is not None else 0}
     return Message(RecordDict({"arrays": to_array_record(encoder), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.train("layerwise")
+def train_layerwise(msg: Message, context: Context) -> Message:
+    """LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD: assemble the stage's sub-model from the download and the client's
+    own blocks, train its active part, upload that part (``lw-*`` config keys: the round's plan)."""
+    r = round_inputs(msg, context)
+    config = r.config
+    plan = {key[len("lw-"):]: config[key] for key in config.keys() if key.startswith("lw-")}
+    result = layerwise_round(
+        r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]), plan=plan, log=r.log,
+    )
+    metrics = train_metrics(r.partition_id, result.stats)
+    for key, value in result.info.items():  # resources (FLOPs, memory, RSS), alignment loss: numbers only
+        if isinstance(value, (bool, int)):
+            metrics[f"lw.{key}"] = int(value)
+        elif isinstance(value, float):
+            metrics[f"lw.{key}"] = value
+    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)})
+    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
+    return Message(reply, reply_to=msg)

@@ -25,14 +25,16 @@ def method_options(cfg: ExperimentConfig) -> dict:
                                       "method.options")
 
 
-def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None) -> torch.nn.Module:
+def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None,
+                    **arch_options) -> torch.nn.Module:
     """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
 
-    The backbone normalises its input when the config says so (``augment.normalize``)."""
+    The backbone normalises its input when the config says so (``augment.normalize``). ``arch_options`` go to
+    ``build_backbone`` (``depth=s`` builds a growable ViT with s blocks: the layer-wise strategies' sub-models)."""
     if seed is not None:
         torch.manual_seed(seed)
     backbone, feature_dim = build_backbone(arch or cfg.model.arch, cfg.model.width,
-                                           cfg.augment.input_normalization())
+                                           cfg.augment.input_normalization(), **arch_options)
     return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
 
 

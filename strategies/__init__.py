@@ -7,11 +7,13 @@ from .fedema import FedEMA
 from .fedprox import FedProx
 from .flesd import FLESD
 from .heterossfl import HeteroSSFL
+from .layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL
 from .local import Local
 from .fedssl import FedSSL
 from .fedu import FedU
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL, Central)}
+STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL, Central,
+                                        LWFedSSL, FedMoCoLW, ProgFedSSL, FLLDD)}
 
 
 def get_strategy_class(name: str):

@@ -5,13 +5,16 @@ with ``torch.load(weights_only=True)`` (no arbitrary pickle code runs when a dow
 
     {"format": "fedssl-encoder/1", "arch": "resnet18", "width": 1.0, "feature_dim": 512,
      "input_normalization": None or {"mean": [r, g, b], "std": [r, g, b]},
+     "arch_options": {} or {"depth": s},
      "state_dict": {name: tensor, ...}, "extra": {...}}
 
 The backbone is rebuilt with ``ssl_models.networks.build_backbone(arch, width, normalization)`` and loaded
 strictly, so a file whose weights do not match its declared architecture is rejected instead of silently
 half-loaded. ``input_normalization`` is the encoder's input layer ``(x - mean) / std`` (``augment.normalize``):
 it is not part of the state dict, so it is recorded here and rebuilt on load; a file without the field (written
-before it existed) has none.
+before it existed) has none. ``arch_options`` are the architecture options of ``build_backbone`` that shape the
+weights: the number of blocks of a ViT (``depth``; a layer-wise run's encoder has as many blocks as it had stages),
+read off the backbone when it is saved; a file without the field is rebuilt with the architecture's defaults.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ssl_models.networks import build_backbone
+from ssl_models.networks import ARCH_OPTIONS, build_backbone
 from ssl_models.networks.input_norm import input_normalization_of
 
 CHECKPOINT_FORMAT = "fedssl-encoder/1"
@@ -67,9 +70,18 @@ def _plain_value(value: Any, where: str) -> Any:
     )
 
 
-def _check_matches_architecture(state_dict: dict[str, torch.Tensor], arch: str, width: float) -> int:
-    """Build ``arch``/``width`` and compare parameter names and shapes; return its feature_dim."""
-    reference, feature_dim = build_backbone(arch, width)
+def _arch_options_of(backbone: nn.Module, arch: str) -> dict[str, Any]:
+    """The architecture options that shape ``backbone``'s weights: ``depth`` (blocks held) for a growable ViT."""
+    if "depth" in ARCH_OPTIONS.get(arch, ()) and isinstance(getattr(backbone, "depth", None), int):
+        return {"depth": int(backbone.depth)}
+    return {}
+
+
+def _check_matches_architecture(state_dict: dict[str, torch.Tensor], arch: str, width: float,
+                                arch_options: dict[str, Any] | None = None) -> int:
+    """Build ``arch``/``width`` (with ``arch_options``) and compare parameter names and shapes; return its
+    feature_dim."""
+    reference, feature_dim = build_backbone(arch, width, **(arch_options or {}))
     expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
     actual = {name: tuple(t.shape) for name, t in state_dict.items()}
     if expected != actual:
@@ -100,13 +112,15 @@ def save_encoder_checkpoint(
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
     state_dict = {name: tensor.detach().cpu().clone() for name, tensor in backbone.state_dict().items()}
-    feature_dim = _check_matches_architecture(state_dict, arch, width)
+    arch_options = _arch_options_of(backbone, arch)
+    feature_dim = _check_matches_architecture(state_dict, arch, width, arch_options)
     payload = {
         "format": CHECKPOINT_FORMAT,
         "arch": arch,
         "width": float(width),
         "feature_dim": int(feature_dim),
         "input_normalization": input_normalization_of(backbone),
+        "arch_options": arch_options,
         "state_dict": state_dict,
         "extra": _plain_value(extra or {}, "extra"),
     }
@@ -152,7 +166,7 @@ def load_encoder_checkpoint(
     The backbone is built with ``build_backbone`` (with its recorded input normalisation), loaded strictly,
     moved to ``map_location`` and put in ``eval()`` mode (checkpoints are read for evaluation; call
     ``.train()`` to fine-tune). ``info`` holds "format", "arch", "width", "feature_dim",
-    "input_normalization", "extra" and "path".
+    "input_normalization", "extra", "path" and, when the file records some, "arch_options" (a ViT's depth).
 
     Raises ``FileNotFoundError`` for a missing file and ``CheckpointError`` (a ``ValueError``) for anything
     that is not a consistent fedssl encoder checkpoint.
@@ -160,9 +174,10 @@ def load_encoder_checkpoint(
     path = Path(path)
     payload = _read_payload(path, map_location)
     norm = payload.get("input_normalization")
+    arch_options = payload.get("arch_options") or {}
     try:
         backbone, feature_dim = build_backbone(payload["arch"], payload["width"],
-                                               None if norm is None else (norm["mean"], norm["std"]))
+                                               None if norm is None else (norm["mean"], norm["std"]), **arch_options)
         backbone.load_state_dict(payload["state_dict"], strict=True)
     except (ValueError, RuntimeError, TypeError, KeyError) as error:
         raise CheckpointError(
@@ -175,6 +190,8 @@ def load_encoder_checkpoint(
     backbone.to(map_location).eval()
     info = {key: payload[key] for key in ("format", "arch", "width", "feature_dim")}
     info["input_normalization"] = norm
+    if arch_options:  # only for architectures shaped by options (a grown ViT's depth)
+        info["arch_options"] = dict(arch_options)
     info["extra"] = payload.get("extra", {})
     info["path"] = str(path)
     return backbone, info
