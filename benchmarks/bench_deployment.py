@@ -147,6 +147,9 @@ def deployed_run(raw: dict, isolation: str, threads_per_node: int) -> dict:
         tmp = Path(tmp)
         (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
         dep = LoopbackDeployment(tmp, raw["federation"]["num_clients"], isolation, threads_per_node)
+        # The operator's roots for the run's paths (server_app/paths.py): this run's folder and the data file's.
+        data_dir = str(Path(raw["data"].get("path") or tmp).parent)
+        dep.env["FEDSSL_ALLOWED_ROOTS"] = os.pathsep.join([str(tmp), data_dir])
         try:
             t0 = time.perf_counter()
             dep.start()

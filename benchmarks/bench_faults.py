@@ -131,6 +131,10 @@ def scenario(fault: str) -> dict:
 
 
 def main() -> int:
+    import os
+
+    os.environ["RAY_RAYLET_PID"] = "0"  # in-process runs stand for a simulation (client state in the run's folder)
+    os.environ["FEDSSL_ALLOWED_ROOTS"] = tempfile.gettempdir()  # a fake grid: paths are confined as if deployed
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
     results_module.ResultsWriter.plot = lambda self, title: None
     started = time.strftime("%Y-%m-%d %H:%M")

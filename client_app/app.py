@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,21 @@ def _partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
+def in_simulation() -> bool:
+    """True inside a simulation's ClientApp: Flower's simulation runs ClientApps in Ray workers (which carry the
+    Ray raylet's pid in their environment); a deployed SuperNode runs them in its own processes."""
+    return "RAY_RAYLET_PID" in os.environ
+
+
 def _disk_store(config: ConfigRecord, context: Context) -> RoundStateStore:
     """The node's own ``state-dir`` wins over the server's suggestion; one folder per run (a resumed run keeps the
     folder of the run it continues: the server sends its id as ``state-run``)."""
     fallback = Path.home() / ".cache" / "fedssl" / "client-state"
-    root = Path(str(context.node_config.get("state-dir", "") or config.get("state-dir", "") or fallback))
+    # Deployed, a ClientApp writes only under its node's own state-dir (or its default), never under a folder the
+    # server names; in a simulation (Ray runs the ClientApps, on the server's machine) the server's suggestion, the
+    # run's output folder, keeps each run's client state with its results.
+    suggested = str(config.get("state-dir", "")) if in_simulation() else ""
+    root = Path(str(context.node_config.get("state-dir", "") or suggested or fallback))
     folder = root.expanduser() / f"run-{config.get('state-run', '') or context.run_id}"
     try:  # the server's suggestion is a path on the server's machine: it may not be writable here
         folder.mkdir(parents=True, exist_ok=True)

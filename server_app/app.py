@@ -25,7 +25,8 @@ from strategies.fedssl import ModelToEvaluate
 from strategies.nodes import query_partitions
 from fedssl_wire import from_array_record, to_array_record
 
-from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for
+from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for, resolve_config_path
+from .paths import allowed_roots, confine
 from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
 from .results import ResultsWriter, unused_output_dir
 
@@ -215,12 +216,25 @@ def main(grid: Grid, context: Context) -> None:
     started = time.perf_counter()
     resume = str(context.run_config.get("resume", "") or "")
     checkpoint = None
+    # Deployed, the paths a `flwr run` user names stay inside the operator's roots (server_app/paths.py); a local
+    # simulation's user is its operator.
+    roots = None if type(grid).__name__ == "InMemoryGrid" else allowed_roots(APP_DIR)
     try:
         if resume:
+            if roots is not None:
+                confine(resume, "resume", roots)
             cfg, checkpoint = resume_experiment(resume)
             config_path = Path(str(checkpoint.meta.get("config_file", "")))
         else:
+            if roots is not None:
+                confine(resolve_config_path(str(context.run_config.get("config", "") or DEFAULT_CONFIG)), "config",
+                        roots)
             cfg, config_path = load_experiment(context.run_config)
+        if roots is not None:
+            if cfg.data.path:
+                confine(cfg.data.path, "data.path", roots)
+            if not resume:
+                confine(output_dir_for(cfg), "output-dir", roots)
     except (ConfigError, FileNotFoundError) as exc:
         log(ERROR, "Invalid experiment configuration: %s", exc)
         raise

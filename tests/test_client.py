@@ -102,7 +102,8 @@ def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
         assert local and all(k.startswith("target_") for k in local)
 
 
-def test_disk_mode_keeps_client_state_out_of_memory(cfg, run_identity, tmp_path):
+def test_disk_mode_keeps_client_state_out_of_memory(cfg, run_identity, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_RAYLET_PID", "0")  # a simulated ClientApp: it takes the server's state-dir
     ctx = Context(run_id=9, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
                   run_config={})
     msg = Message(RecordDict({"arrays": to_array_record(global_shared(cfg)), "config": ConfigRecord({
@@ -180,3 +181,16 @@ def test_a_nodes_own_state_dir_wins_over_the_servers_suggestion(cfg, run_identit
     assert len(after) == 1 and not server_dir.exists()
     online = from_array_record(reply.content["arrays"])[STEM]
     np.testing.assert_allclose(after[0]["target_" + STEM], 0.9 * 0.5 + 0.1 * online, rtol=1e-4, atol=1e-6)
+
+
+def test_a_deployed_clientapp_never_writes_under_a_folder_the_server_names(cfg, run_identity, tmp_path, monkeypatch):
+    """Deployed (no Ray worker around it), the server's state-dir suggestion is ignored: the state goes to the
+    node's own state-dir, or without one to the ClientApp's default under its home folder."""
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    server_dir = tmp_path / "server-named"
+    ctx = Context(run_id=4, node_id=5, state=RecordDict(), run_config={},
+                  node_config={"partition-id": 0, "num-partitions": 2})
+    assert not app(train_message(cfg, 1, **{"client-state": "disk", "state-dir": str(server_dir)}), ctx).has_error()
+    assert not server_dir.exists()
+    assert (tmp_path / "home" / ".cache" / "fedssl" / "client-state" / "run-4" / "client_0.r000001.npz").is_file()

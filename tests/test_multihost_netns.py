@@ -74,6 +74,8 @@ class Deployment:
     def __init__(self, net: Network, tmp: Path, data_dir: Path | None) -> None:
         self.net, self.tmp = net, tmp
         self.env = base_env(net.tag)
+        # The operator's roots for the paths a `flwr run` user names (server_app/paths.py): the data and outputs.
+        self.env["FEDSSL_ALLOWED_ROOTS"] = os.pathsep.join(str(p) for p in (data_dir, tmp / "server" / "outputs") if p)
         self.logs = tmp / "logs"
         self.data_dir = data_dir or tmp / "data"
         self.server_secrets = tmp / "server" / "secrets"

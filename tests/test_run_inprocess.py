@@ -16,7 +16,7 @@ import server_app.app as server_module
 import server_app.results as results_module
 from client_app.app import app as client_app
 from fedssl_wire import from_array_record, to_array_record
-from test_server_app import ClientAppGrid, task_identity  # noqa: F401 - the fixture is used by every test here
+from test_server_app import ClientAppGrid, simulated_clientapps, task_identity  # noqa: F401 - autouse fixtures
 
 BASE = {
     "name": "inprocess", "seed": 0, "rounds": 3,

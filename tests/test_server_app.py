@@ -24,6 +24,15 @@ from strategies.fedssl import ModelToEvaluate
 
 
 @pytest.fixture(autouse=True)
+def simulated_clientapps(monkeypatch, tmp_path):
+    """The in-process runs here stand for a simulation: the ClientApps keep their state in the run's folder, as
+    simulated ClientApps (in Ray workers) do, not in a deployed node's default folder. Their grid is not Flower's
+    simulation grid, so the ServerApp confines paths as deployed: the test's folder is the operator's root."""
+    monkeypatch.setenv("RAY_RAYLET_PID", "0")
+    monkeypatch.setenv("FEDSSL_ALLOWED_ROOTS", str(tmp_path))
+
+
+@pytest.fixture(autouse=True)
 def task_identity():
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
     yield
