@@ -203,3 +203,18 @@ def test_min_local_run_writes_one_model_file_per_client_and_a_minimum_headline(t
     assert [line["round"] for line in lines] == [1, 2]
     assert all(set(line["knn_acc_by_model"]) == {"client_0", "client_1"} for line in lines)
     assert all(line["knn_acc"] == min(line["knn_acc_by_model"].values()) for line in lines)
+
+
+def test_a_simulation_with_too_few_nodes_fails_at_once_not_after_node_wait_s():
+    """In a simulation every node exists when the ServerApp starts: with fewer nodes than federation.num_clients the
+    run stops within seconds, not after node_wait_s (300 s by default)."""
+    import time
+
+    class InMemoryGrid(InfoGrid):  # the name of Flower's simulation grid
+        pass
+
+    cfg = ExperimentConfig.from_dict({"federation": {"num_clients": 3, "node_wait_s": 300.0}})
+    t0 = time.monotonic()
+    with pytest.raises(FederationMismatch, match=r"federation.num_clients=3 but the federation has 2 nodes"):
+        discover_clients(InMemoryGrid({100: (0, 3), 101: (1, 3)}), cfg, lambda line: None)
+    assert time.monotonic() - t0 < 30
