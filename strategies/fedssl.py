@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
-from .nodes import query_partitions
+from .nodes import query_partitions, send_and_receive
 from .options import check_choice
 from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, from_array_record,
                          record_bytes, to_array_record)
@@ -397,13 +397,12 @@ class FedSSL(Strategy):
         evaluate_config = ConfigRecord()
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            replies = grid.send_and_receive(messages=self.configure_train(server_round, arrays, train_config, grid),
-                                            timeout=timeout)
+            replies = send_and_receive(grid, self.configure_train(server_round, arrays, train_config, grid), timeout)
             new_arrays, _ = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
-            evaluate_replies = grid.send_and_receive(
-                messages=self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
+            evaluate_replies = send_and_receive(
+                grid, self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout)
             self.aggregate_evaluate(server_round, evaluate_replies)
             after_round(server_round, arrays)
         return arrays

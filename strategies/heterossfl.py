@@ -41,6 +41,7 @@ from ssl_models.federated.kernel_alignment import (KERNEL_FUNCTIONS, KERNEL_NORM
 from ssl_models.federated.similarity import ENCODING_MODES, TOPK
 
 from .fedssl import FedSSL, ModelToEvaluate
+from .nodes import send_and_receive
 from .options import check_choice, check_positive, check_unit
 from fedssl_wire import (ENCODER_QUERY_MESSAGE_TYPE, KERNEL_MESSAGE_TYPE, KERNEL_RECORD,
                          DiskStateStore, from_array_record, record_bytes, to_array_record)
@@ -299,7 +300,7 @@ class HeteroSSFL(FedSSL):
                     dst_node_id=self.clients[pid], message_type=ENCODER_QUERY_MESSAGE_TYPE,
                     group_id=f"eval-{server_round}") for pid in chunk]
                 answered = set()
-                for reply in grid.send_and_receive(messages, timeout=self.cfg.federation.round_timeout_s):
+                for reply in send_and_receive(grid, messages, self.cfg.federation.round_timeout_s):
                     if reply.has_error():
                         failed.append({"node": reply.metadata.src_node_id, "reason": reply.error.reason})
                         continue

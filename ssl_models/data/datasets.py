@@ -10,7 +10,8 @@ Sources:
 * a deterministic synthetic data set with class-dependent patterns, for smoke tests without files.
 
 Loaded files are cached per process (see ``load_npz``) because simulated clients living in one
-process reload the same file every round. This module never imports flwr; torchvision is imported
+process reload the same file every round, and decoded ``.npz`` files on the machine's disk (memory-mapped by later
+processes: a deployed ClientApp is a new process per message). This module never imports flwr; torchvision is imported
 only when a torchvision data set is actually requested.
 """
 
@@ -18,7 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,18 +137,95 @@ def _build_image_data(
 # --------------------------------------------------------------------------------------------------
 
 
+DECODED_CACHE_VARIABLE = "FEDSSL_DATA_CACHE"  # a folder, or "off"; default ~/.cache/fedssl/decoded
+
+
+def decoded_cache_root() -> Path | None:
+    """Where decoded ``.npz`` data sets are kept on this machine's disk (None: the cache is off)."""
+    value = os.environ.get(DECODED_CACHE_VARIABLE, "")
+    if value.strip().lower() == "off":
+        return None
+    return Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "fedssl" / "decoded"
+
+
+def _decoded_entry(resolved_path: str, mtime_ns: int, size_bytes: int) -> Path | None:
+    root = decoded_cache_root()
+    if root is None:
+        return None
+    key = hashlib.sha256(f"{resolved_path}|{mtime_ns}|{size_bytes}".encode()).hexdigest()[:32]
+    return root / key
+
+
+def _read_decoded(entry: Path, resolved_path: str, mtime_ns: int, size_bytes: int) -> dict[str, np.ndarray] | None:
+    """The cached arrays of exactly this file version (images memory-mapped), or None."""
+    try:
+        marker = json.loads((entry / "complete.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if marker != {"path": resolved_path, "mtime_ns": mtime_ns, "size": size_bytes}:
+        return None  # another file, or another version of it: never served
+    try:
+        return {key: np.load(entry / f"{key}.npy", mmap_mode="r" if key.startswith("x_") else None,
+                             allow_pickle=False) for key in NPZ_KEYS}
+    except (OSError, ValueError):
+        return None
+
+
+def _write_decoded(entry: Path, arrays: dict[str, np.ndarray], resolved_path: str, mtime_ns: int,
+                   size_bytes: int) -> None:
+    """Keep the decoded arrays on disk (written to a temporary folder, then renamed), replacing the cached versions
+    of older versions of the same file. A failure to write only costs the next process a decode."""
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+        for key, value in arrays.items():
+            np.save(tmp / f"{key}.npy", np.ascontiguousarray(value), allow_pickle=False)
+        (tmp / "complete.json").write_text(json.dumps({"path": resolved_path, "mtime_ns": mtime_ns,
+                                                       "size": size_bytes}))
+        if entry.exists() and _read_decoded(entry, resolved_path, mtime_ns, size_bytes) is None:
+            shutil.rmtree(entry, ignore_errors=True)  # a broken entry (an interrupted writer of an older version)
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another process (a simulated client, the server) wrote the same entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp = None
+        for other in entry.parent.iterdir():  # stale versions of the same file
+            if other != entry and other.is_dir() and not other.name.startswith(".tmp-"):
+                try:
+                    if json.loads((other / "complete.json").read_text()).get("path") == resolved_path:
+                        shutil.rmtree(other, ignore_errors=True)
+                except (OSError, ValueError):
+                    continue
+    except OSError:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> ImageData:
-    """Read and validate one .npz file; keyed on (path, mtime, size) so an edited file is re-read."""
-    del mtime_ns, size_bytes  # only part of the cache key
+    """Read and validate one .npz file; keyed on (path, mtime, size) so an edited file is re-read.
+
+    Decompressing CIFAR-10 costs a new process about a second, and a deployed SuperNode starts a process for every
+    message: the decoded arrays are therefore also kept on this machine's disk (``$FEDSSL_DATA_CACHE``, default
+    ``~/.cache/fedssl/decoded``; ``off`` disables it), keyed on the same (path, mtime, size), and later processes
+    memory-map them. A changed file has another key and is decoded again; the old version's copy is removed."""
     source = f"npz file {resolved_path}"
-    with np.load(resolved_path, allow_pickle=False) as archive:
-        missing = [key for key in NPZ_KEYS if key not in archive.files]
-        if missing:
-            raise ValueError(
-                f"{source} lacks the arrays {missing}; it must hold {list(NPZ_KEYS)} (has {archive.files})"
-            )
-        arrays = {key: archive[key] for key in NPZ_KEYS}
+    entry = _decoded_entry(resolved_path, mtime_ns, size_bytes)
+    arrays = _read_decoded(entry, resolved_path, mtime_ns, size_bytes) if entry is not None else None
+    if arrays is None:
+        with np.load(resolved_path, allow_pickle=False) as archive:
+            missing = [key for key in NPZ_KEYS if key not in archive.files]
+            if missing:
+                raise ValueError(
+                    f"{source} lacks the arrays {missing}; it must hold {list(NPZ_KEYS)} (has {archive.files})"
+                )
+            arrays = {key: archive[key] for key in NPZ_KEYS}
+        data = _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
+        if entry is not None:
+            _write_decoded(entry, {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test,
+                                   "y_test": data.y_test}, resolved_path, mtime_ns, size_bytes)
+        return data
     return _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
 
 
