@@ -162,7 +162,11 @@ def failed_note(record: dict) -> str:
     failed = record.get("failed_clients") or []
     if not failed:
         return ""
-    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {f['reason']}" for f in failed) + ")"
+    def short(reason: str, limit: int = 160) -> str:  # a Ray out-of-memory reason runs to kilobytes
+        reason = " ".join(str(reason).split())
+        return reason if len(reason) <= limit else reason[:limit - 3] + "..."
+
+    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {short(f['reason'])}" for f in failed) + ")"
 
 
 def _mb(n: int) -> str:
