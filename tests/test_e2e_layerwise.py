@@ -12,6 +12,13 @@ from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def one_torch_thread(monkeypatch):
+    """Tiny models on a 2-core machine: one torch thread per process runs faster than threads fighting over the
+    cores (the runs inherit this environment)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
 SMOKE = "configs/smoke-lwfedssl.yaml"
 
 

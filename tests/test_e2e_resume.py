@@ -15,6 +15,13 @@ from flwr_harness import REPO, flwr_env, flwr_run, kill_flwr_home_processes, rea
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def one_torch_thread(monkeypatch):
+    """Tiny models on a 2-core machine: one torch thread per process runs faster than threads fighting over the
+    cores (the runs inherit this environment)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
 ROUNDS = 3
 
 
