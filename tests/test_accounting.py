@@ -186,3 +186,23 @@ def test_process_peak_rss(tmp_path: Path) -> None:
     assert process_peak_rss_bytes(status) == 1234 * 1024
     assert process_peak_rss_bytes(tmp_path / "missing") is None
     assert reset_peak_rss(tmp_path / "no" / "such" / "clear_refs") is False
+
+
+def test_measuring_a_step_keeps_none_of_its_tensors_alive():
+    """A client measures its step every round: the measured step's activations must be freed afterwards."""
+    import gc
+    import weakref
+
+    from ssl_models.accounting.memory import saved_activation_bytes
+
+    layer = torch.nn.Linear(8, 8)
+    refs = []
+
+    def step():
+        hidden = torch.relu(layer(torch.randn(4, 8)))
+        refs.append(weakref.ref(hidden))
+        return (hidden * hidden).sum()  # mul saves ``hidden``, an output with a grad_fn
+
+    assert saved_activation_bytes(step)["bytes"] > 0
+    gc.collect()
+    assert refs[0]() is None

@@ -75,7 +75,10 @@ def saved_activation_bytes(step: Callable[[], Any], exclude: Iterable[torch.Tens
             key = ("id", id(tensor))
         if key not in excluded and key not in sizes:
             sizes[key] = _storage_nbytes(tensor)
-        return tensor
+        # A detached view of the same storage: handing autograd the tensor itself ties a saved output and its
+        # grad_fn into a reference cycle the garbage collector cannot see, which kept every measured step's
+        # activations alive (a client measuring every round grew by one step's activations per round).
+        return tensor.detach()
 
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
