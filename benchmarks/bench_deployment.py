@@ -64,7 +64,9 @@ class LoopbackDeployment:
         self.secrets = tmp / "secrets"
         self.env = {**os.environ, MARKER: str(os.getpid()), "FLWR_TELEMETRY_ENABLED": "0",
                     "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                    "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+                    "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                    # The SuperExec looks for new tasks every second by default; every message pays up to that.
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")}
         self.procs: list[subprocess.Popen] = []
 
     def _start(self, name: str, argv: list[str], home: str, **env: str) -> subprocess.Popen:
