@@ -310,7 +310,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         f"{strategy.traffic(initial.count_bytes())}")
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Called by Strategy.start after every round: measure, record, report."""
+        """Called by the strategy's round loop after every round: measure, record, checkpoint, report."""
         if server_round == 0:
             return None
         record = dict(strategy.round_records.get(server_round, {"round": server_round}))
