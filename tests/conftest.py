@@ -39,3 +39,12 @@ def cifar_npz() -> Path:
     if path is None:
         skip_unless_required("CIFAR-10 dev npz not found (set FEDSSL_CIFAR10_NPZ or place ../shared/data/cifar10-dev.npz)")
     return path
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_in_e2e_runs(request, monkeypatch):
+    """The real `flwr run .` tests use tiny models: on a 2-core machine one torch thread per process (the
+    ServerApp's evaluation, the ClientApps' training) runs faster than threads fighting over the cores, and
+    keeps the suite's time down. The runs inherit this environment."""
+    if request.node.get_closest_marker("e2e") is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
