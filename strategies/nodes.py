@@ -51,11 +51,41 @@ class NodeInfo:
     error: str = ""  # why the node did not report, when it did not
 
 
+NODE_UNAVAILABLE_CODE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE: listed, but no heartbeat (yet)
+UNAVAILABLE_RETRY_S = 2.0
+
+
+def _unavailable(reply: Message) -> bool:
+    return reply.has_error() and (reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in reply.error.reason)
+
+
 def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float) -> list[NodeInfo]:
-    """Ask each node for its partition id; one entry per reply (errors included), in node order."""
+    """Ask each node for its partition id; one entry per node that replied (errors included), in node order.
+
+    A node the SuperLink lists but reports unavailable (a SuperNode recreated a moment ago, registered but not
+    yet sending heartbeats) is asked again every few seconds until ``timeout`` has passed, instead of failing
+    the query at once; its last error is returned if it never comes up."""
     nodes = sorted(nodes)
     if not nodes:
         return []
+    deadline = time.monotonic() + timeout
+    answered: dict[int, NodeInfo] = {}
+    while True:
+        pending = [n for n in nodes if n not in answered]
+        retry = {}
+        for info, unavailable in _query_once(grid, pending, max(0.0, deadline - time.monotonic())):
+            answered[info.node_id] = info
+            if unavailable:
+                retry[info.node_id] = info
+        if not retry or time.monotonic() + UNAVAILABLE_RETRY_S >= deadline:
+            break
+        time.sleep(UNAVAILABLE_RETRY_S)
+        for node in retry:
+            answered.pop(node)
+    return [answered[n] for n in nodes if n in answered]
+
+
+def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[NodeInfo, bool]]:
     queries = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type=INFO_MESSAGE_TYPE)
                for node in nodes]
     replies = send_and_receive(grid, queries, timeout)
@@ -64,9 +94,9 @@ def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float) -> list[N
     for reply in replies:
         if reply.has_error():
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            out.append(NodeInfo(node, error=reply.error.reason))
+            out.append((NodeInfo(node, error=reply.error.reason), _unavailable(reply)))
             continue
         m, info = reply.content["metrics"], reply.content.config_records.get("info")
-        out.append(NodeInfo(reply.metadata.src_node_id, int(m["partition-id"]), int(m["num-partitions"]),
-                            str(info.get("host", "")) if info is not None else ""))
-    return sorted(out, key=lambda i: i.node_id)
+        out.append((NodeInfo(reply.metadata.src_node_id, int(m["partition-id"]), int(m["num-partitions"]),
+                             str(info.get("host", "")) if info is not None else ""), False))
+    return out
