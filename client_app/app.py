@@ -130,7 +130,7 @@ def state_location(config: ConfigRecord, context: Context) -> str:
 
 def train_metrics(pid: int, s: TrainStats) -> dict:
     return {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
-            "steps": s.steps, "images_per_s": s.images_per_s}
+            "steps": s.steps, "images_per_s": s.images_per_s, "compiled": int(s.compiled)}
 
 
 @app.train()

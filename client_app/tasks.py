@@ -213,7 +213,7 @@ def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: flo
                      momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
                      drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
                      augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook, epoch_hook=epoch_hook,
-                     log=log)
+                     log=log, compile_backend="inductor" if t.compile else None)
 
 
 def train_local_ssl(

@@ -93,6 +93,9 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     # bfloat16 autocast on CPUs with AMX/AVX512-BF16, mixed precision on CUDA, channels-last memory.
     fast_path: bool = True
+    # torch.compile the training step (inductor); minutes of compilation per new model on a small CPU, so off
+    # by default; where compilation fails the step runs eagerly and the round's metrics say why.
+    compile: bool = False
     device: str = "auto"
     # Cap on local optimisation steps per epoch (0 = no cap); for quick experiments and benchmarks.
     max_steps_per_epoch: int = 0

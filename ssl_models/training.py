@@ -7,6 +7,11 @@ The fast path (on by default, off with ``fast_path=False``):
 - channels-last memory format for the model and the batches (faster convolutions on both).
 Losses are computed in float32 by the methods themselves, so only the big matrix work runs in reduced
 precision.
+
+``compile_backend`` (off by default; ``train.compile: true`` selects "inductor") runs the method's forward and
+loss through ``torch.compile`` (its backward through AOTAutograd). Compilation costs minutes on a small CPU
+and is redone for every new model object, so it pays only for long local training; where it fails (no C++
+compiler, an unsupported operator) the loop says why once and goes on eagerly from the same step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class TrainStats:
     seconds: float
     images_per_s: float  # images (not views) processed per second
     precision: str  # "fp32", "bf16" or "fp16"
+    compiled: bool = False  # the training step ran through torch.compile
+    compile_fallback: str | None = None  # why a requested compilation was given up (then it ran eagerly)
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,41 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
     return value
 
 
+class CompiledStep:
+    """``method.training_step`` through ``torch.compile(backend=...)``, falling back to the eager step for good
+    the first time the compiled one raises (compilation happens on the first call, before any weight moves)."""
+
+    def __init__(self, method: torch.nn.Module, backend: str | None, log: Callable[[str], None] | None = None):
+        self.eager = method.training_step
+        self.backend = backend
+        self.fallback: str | None = None
+        self.log = log
+        self.compiled = None
+        if backend is not None:
+            try:
+                self.compiled = torch.compile(method.training_step, backend=backend)
+            except Exception as error:  # noqa: BLE001 - any failure means: train eagerly, and say so
+                self._give_up(error)
+
+    @property
+    def active(self) -> bool:
+        return self.compiled is not None
+
+    def _give_up(self, error: BaseException) -> None:
+        self.compiled = None
+        self.fallback = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if self.log is not None:
+            self.log(f"torch.compile (backend {self.backend}) failed, training eagerly: {self.fallback}")
+
+    def __call__(self, view1: torch.Tensor, view2: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(view1, view2)
+            except Exception as error:  # noqa: BLE001
+                self._give_up(error)
+        return self.eager(view1, view2)
+
+
 def train_ssl(
     method: torch.nn.Module,
     images: np.ndarray | torch.Tensor,
@@ -130,6 +172,7 @@ def train_ssl(
     loss_hook: Callable[[torch.nn.Module], torch.Tensor] | None = None,
     epoch_hook: Callable[[torch.nn.Module, int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    compile_backend: str | None = None,
 ) -> TrainStats:
     """Train ``method`` (an ``SSLMethod``) on ``images`` (NHWC uint8) for ``epochs`` local epochs.
 
@@ -137,6 +180,7 @@ def train_ssl(
     ``epoch_hook(method, epoch)`` runs at the start of every local epoch (Hetero-SSFL recomputes its RAD
     representations there).
     The images are moved to the device once; every batch is augmented there into two views.
+    ``compile_backend`` (e.g. "inductor"): the step through ``torch.compile``, eager where that fails.
     """
     device = torch.device(device) if isinstance(device, str) else device
     fp = fast_path_for(device, fast_path)
@@ -164,6 +208,7 @@ def train_ssl(
     gen.manual_seed(seed)
     perm_gen = torch.Generator().manual_seed(seed)
 
+    step_fn = CompiledStep(method, compile_backend, log)
     total_loss, steps = 0.0, 0
     start = time.perf_counter()
     for epoch in range(epochs):
@@ -180,7 +225,7 @@ def train_ssl(
                 v2 = v2.contiguous(memory_format=torch.channels_last)
             with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
                                 enabled=fp.autocast_dtype is not None):
-                loss = method.training_step(v1, v2)
+                loss = step_fn(v1, v2)
                 if loss_hook is not None:
                     loss = loss + loss_hook(method)
             value = optimizer_step(loss, opt, scaler, f"local SSL loss at epoch {epoch + 1} step {step + 1}")
@@ -202,4 +247,6 @@ def train_ssl(
         seconds=seconds,
         images_per_s=images_seen / seconds if seconds > 0 else 0.0,
         precision=fp.precision,
+        compiled=step_fn.active,
+        compile_fallback=step_fn.fallback,
     )
