@@ -183,6 +183,20 @@ class NativeService:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def _environment(spec) -> dict[str, str]:
+    """A service's ``environment`` (a mapping, or a list of ``KEY=value`` / ``KEY``: taken from the shell if set)."""
+    if isinstance(spec, list):
+        out = {}
+        for item in spec:
+            key, eq, value = str(item).partition("=")
+            if eq:
+                out[key] = value
+            elif key in os.environ:
+                out[key] = os.environ[key]
+        return out
+    return {str(k): str(v) for k, v in (spec or {}).items() if v is not None}
+
+
 @dataclass
 class NativeMachine:
     """One compose project run natively as one machine (optionally inside a network namespace).
@@ -207,12 +221,13 @@ class NativeMachine:
                                        f"({self.mounts[target]} and {host}) on one machine")
                 self.mounts[target] = host
         for target, host in self.mounts.items():
-            host.mkdir(parents=True, exist_ok=True)
+            if not host.is_file():  # a single secret file may be mounted on its own
+                host.mkdir(parents=True, exist_ok=True)
             link = self.root / target.lstrip("/")
             link.parent.mkdir(parents=True, exist_ok=True)
             if link.is_symlink() or link.exists():
                 link.unlink()
-            link.symlink_to(host, target_is_directory=True)
+            link.symlink_to(host, target_is_directory=host.is_dir())
         (self.root / CONTAINER_WORKDIR.lstrip("/")).mkdir(parents=True, exist_ok=True)
 
     def native_path(self, container_path: str) -> Path:
@@ -231,7 +246,7 @@ class NativeMachine:
         spec = self.compose.services[service]
         env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
         env["FLWR_HOME"] = str(self.root / "flwr-home" / service)  # each container has its own
-        env.update({str(k): str(v) for k, v in (spec.get("environment") or {}).items()})
+        env.update(_environment(spec.get("environment")))
         env.update(self.env)
         env.update(extra_env or {})
         argv = self.argv(service)

@@ -695,3 +695,34 @@ def test_scripts_usage(tmp_path, script: str, nargs: int):
     assert result.returncode == 2, f"docker/{script} with {nargs} argument(s) exits {result.returncode}, not 2"
     assert result.stderr.startswith("usage:"), f"docker/{script}: no usage line: {result.stderr!r}"
     assert not any(a.exists() for a in args), f"docker/{script} created files although called wrongly"
+
+
+# ---------------------------------------------------------------------- j. secrets per container, torch layer
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=_ids)
+def test_each_container_mounts_only_the_secret_files_it_uses(combo: Combo):
+    """App code of any run executes in the executors: no container may see a secret its command does not name,
+    and the CA's private key enters none (found in a real run: the whole secrets folder was in every container)."""
+    compose = load(combo)
+    for service in compose.services:
+        used = {posixpath.normpath(posixpath.join(CONTAINER_WORKDIR, v))
+                for v in options(compose, service).values() if is_path(v) and "secrets/" in v}
+        for host, target, _mode in compose.volumes(service):
+            if not target.startswith(f"{CONTAINER_WORKDIR}/secrets"):
+                continue
+            assert host.name != "ca.key", f"{where(compose, service)}: mounts the CA's private key"
+            assert target in used, (f"{where(compose, service)}: mounts {target}, which its command does not use "
+                                    f"(a secrets folder or another service's file); it uses {sorted(used)}")
+
+
+def test_torch_layer_matches_pyproject():
+    """docker/app.Dockerfile installs torch first (its own layer, kept when pyproject.toml changes): the same
+    requirements as pyproject.toml's."""
+    text = (DOCKER_DIR / "app.Dockerfile").read_text()
+    found = re.findall(r'^ARG TORCH_REQUIREMENTS="([^"]*)"', text, re.M)
+    assert len(found) == 1, "docker/app.Dockerfile: expected one ARG TORCH_REQUIREMENTS=\"...\""
+    expected = [d.replace(" ", "") for d in project_dependencies() if requirement_name(d) in ("torch", "torchvision")]
+    assert found[0].split() == expected
+    assert text.index("${TORCH_REQUIREMENTS}") < text.index("COPY pyproject.toml"), \
+        "docker/app.Dockerfile: torch must be installed before pyproject.toml is copied (layer cache)"
