@@ -103,7 +103,11 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, m
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
                    scaler: torch.amp.GradScaler | None, what: str) -> float:
     """Backward and one optimizer step (through the gradient scaler when fp16 needs one); returns the loss
-    value and stops with ``what`` named if it is not finite."""
+    value. A loss that is not finite stops training with ``what`` named *before* the step, so the weights (and
+    the optimizer's state) stay those of the last good step."""
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} became {value}")
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -112,9 +116,6 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
     else:
         loss.backward()
         optimizer.step()
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise FloatingPointError(f"{what} became {value}")
     return value
 
 

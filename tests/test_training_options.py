@@ -130,9 +130,12 @@ def test_a_non_finite_loss_stops_training_with_a_clear_error(bad: float) -> None
     method = Recorder()
     hook = lambda _m: torch.tensor(bad)  # noqa: E731
     word = "nan" if math.isnan(bad) else "inf"
+    before = [p.detach().clone() for p in method.parameters()]
     with pytest.raises(FloatingPointError, match=rf"^local SSL loss at epoch 1 step 1 became {word}$"):
         train_ssl(method, images(24), epochs=2, batch_size=8, lr=0.01, fast_path=False, loss_hook=hook)
     assert len(method.calls) == 1  # stopped at the first bad step, not after the epoch
+    # and before that step touched the weights: nothing of the model is lost
+    assert all(torch.equal(a, b) for a, b in zip(before, method.parameters()))
 
 
 def test_a_non_finite_loss_in_a_later_step_names_that_step() -> None:
