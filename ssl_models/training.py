@@ -80,7 +80,10 @@ def fast_path_for(device: torch.device, enabled: bool) -> FastPath:
     if device.type == "cuda":
         # including_emulation=False: torch's default also says True on pre-Ampere GPUs (V100, T4), which only
         # emulate bf16 (slow); those get fp16 with a gradient scaler
-        if torch.cuda.is_bf16_supported(including_emulation=False):
+        # asked of the GPU the loop trains on (cuda:1 on a machine with mixed GPUs), not of the current one
+        with torch.cuda.device(device):
+            native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        if native_bf16:
             return FastPath(torch.bfloat16, True, False)
         return FastPath(torch.float16, True, True)
     if device.type == "cpu" and cpu_has_fast_bf16():

@@ -156,11 +156,30 @@ def capability(monkeypatch):
     """Set what the (fake) hardware supports: the GPU's bf16 ("native": Ampere or newer; "emulated": an older GPU
     where torch can create bf16 tensors but runs them without bf16 units; "none") and the CPU's native bf16 units."""
 
-    def set_capability(cuda_bf16: str = "none", cpu_bf16: bool = False) -> None:
+    import contextlib
+
+    current = {"index": 0}  # torch.cuda's current device, switched by torch.cuda.device(...)
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        index = device.index if isinstance(device, torch.device) else device
+        previous = current["index"]
+        current["index"] = previous if index is None else int(index)
+        try:
+            yield
+        finally:
+            current["index"] = previous
+
+    def set_capability(cuda_bf16: str | dict = "none", cpu_bf16: bool = False) -> None:
+        """``cuda_bf16``: one GPU's capability, or {index: capability} for a machine with several."""
+        per_gpu = cuda_bf16 if isinstance(cuda_bf16, dict) else {0: cuda_bf16}
+
         def is_bf16_supported(including_emulation: bool = True) -> bool:  # torch.cuda's signature and default
-            return cuda_bf16 == "native" or (including_emulation and cuda_bf16 == "emulated")
+            gpu = per_gpu[current["index"]]  # torch asks the current device
+            return gpu == "native" or (including_emulation and gpu == "emulated")
 
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+        monkeypatch.setattr(torch.cuda, "device", cuda_device)
         monkeypatch.setattr(training, "cpu_has_fast_bf16", lambda: cpu_bf16)
 
     return set_capability
@@ -179,6 +198,16 @@ def test_fast_path_precision_follows_device_capability(capability, device, cuda_
     assert chosen == expected
     assert chosen.precision == {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[expected.autocast_dtype]
     assert fast_path_for(torch.device(device), False) == FastPath(None, False, False)  # fast_path: false
+
+
+@pytest.mark.parametrize(("device", "expected"), [
+    ("cuda:1", FastPath(torch.float16, True, True)),  # the older GPU the run was given: fp16 with a scaler
+    ("cuda:0", FastPath(torch.bfloat16, True, False)),
+    ("cuda", FastPath(torch.bfloat16, True, False)),  # no index: the current device (0)
+])
+def test_fast_path_asks_the_gpu_the_run_trains_on(capability, device, expected) -> None:
+    capability(cuda_bf16={0: "native", 1: "emulated"})
+    assert fast_path_for(torch.device(device), True) == expected
 
 
 @pytest.mark.parametrize(("cpu_bf16", "autocast", "precision"), [(True, True, "bf16"), (False, False, "fp32")])
