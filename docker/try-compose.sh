@@ -14,4 +14,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0
-FEDSSL_NO_SKIP=1 exec python3 -m pytest -s -q -p no:cacheprovider tests/test_docker_compose.py "$@"
+# Its own temporary folder: pytest removes old ones when other pytest runs start (containers write in it).
+FEDSSL_NO_SKIP=1 exec python3 -m pytest -s -q -p no:cacheprovider --basetemp="${TMPDIR:-/tmp}/fedssl-try-compose" \
+  tests/test_docker_compose.py "$@"
