@@ -32,7 +32,8 @@ from ssl_models.federated.cka import feature_alignment_loss
 from ssl_models.federated.kernel_alignment import (KernelAligner, client_kernel, decode_kernel, encode_kernel,
                                                    kernel_cka, normalize_kernel, rad_representations)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
-from ssl_models.accounting import process_peak_rss_bytes, reset_peak_rss
+from ssl_models.accounting import (analytic_training_memory, process_peak_rss_bytes, reset_peak_rss,
+                                  training_step_flops)
 from ssl_models.federated.layerwise import (RepresentationAligner, build_layerwise_model, configure_local_model,
                                             head_prefixes, resource_account, select, trained_prefixes)
 from ssl_models.data.splits import client_images, images_digest, union_images
@@ -205,15 +206,61 @@ DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
 # ---------------------------------------------------------------------- the local round
 
 
+# One measurement per process for each model structure, optimiser and batch: the figures depend on nothing else,
+# and a simulation's actor (or a long-lived SuperNode process) trains the same model shape round after round.
+_STEP_RESOURCES: dict[tuple, dict[str, float]] = {}
+
+
+def step_resources(method, *, optimizer: str, batch_size: int, sgd_momentum: float, device,
+                   image_shape: tuple[int, ...]) -> dict[str, float]:
+    """Per-step resources of local training (papers.md section 5), on deep copies of ``method``: FLOPs per sample
+    (image, both views) of one step (``flops_forward``, ``flops_backward``, ``flops_total`` and the forward / 2
+    ``flops_fvcore_equivalent`` that the LW-FedSSL paper tabulates), counted on a batch of at most 8, and the analytic
+    memory of one step at ``batch_size`` (``mem_parameters``, ``mem_gradients``, ``mem_optimizer``,
+    ``mem_activations``, ``mem_total``, bytes)."""
+    structure = tuple((name, tuple(p.shape), p.requires_grad) for name, p in method.named_parameters())
+    key = (type(method).__name__, structure, optimizer, int(batch_size), float(sgd_momentum), str(device),
+           tuple(image_shape))
+    if key not in _STEP_RESOURCES:
+        flops = training_step_flops(method, image_shape, batch_size=max(2, min(int(batch_size), 8)), device=device)
+        memory = analytic_training_memory(method, optimizer, int(batch_size), view_shape=image_shape, device=device,
+                                          sgd_momentum=sgd_momentum)
+        _STEP_RESOURCES[key] = {
+            "flops_forward": float(flops["forward"]), "flops_backward": float(flops["backward"]),
+            "flops_total": float(flops["total"]), "flops_fvcore_equivalent": float(flops["fvcore_equivalent"]),
+            **{f"mem_{k}": float(v) for k, v in memory.items()},
+        }
+    return dict(_STEP_RESOURCES[key])
+
+
 def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
-                   loss_hook=None, epoch_hook=None, log: Callable[[str], None] | None = None) -> TrainStats:
-    """``train_ssl`` with the experiment's local-training settings and augmentation recipe (``augment``)."""
+                   loss_hook=None, epoch_hook=None, log: Callable[[str], None] | None = None,
+                   account: bool = True) -> TrainStats:
+    """``train_ssl`` with the experiment's local-training settings and augmentation recipe (``augment``).
+
+    With ``account`` (every strategy but the layer-wise ones, which account their sub-models themselves) the
+    returned stats carry ``resources``: ``step_resources`` of this model, the images trained, and the process's
+    peak RSS during training (``rss_peak_reset`` 0: the process's lifetime peak, where the peak cannot be reset)."""
     t = cfg.train
-    return train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
-                     momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
-                     drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
-                     augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook, epoch_hook=epoch_hook,
-                     log=log, compile_backend="inductor" if t.compile else None)
+    resources: dict[str, float] = {}
+    if account:
+        batch = max(2, min(t.batch_size, len(images)))
+        resources = step_resources(method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum,
+                                   device=device, image_shape=(3, *np.shape(images)[1:3]))
+        rss_reset = reset_peak_rss()
+    stats = train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
+                      momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
+                      drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
+                      augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook,
+                      epoch_hook=epoch_hook, log=log, compile_backend="inductor" if t.compile else None)
+    if account:
+        resources["images_trained"] = float(stats.steps * min(t.batch_size, len(images)))
+        rss = process_peak_rss_bytes()
+        if rss is not None:
+            resources["rss_peak_bytes"] = float(rss)
+            resources["rss_peak_reset"] = float(bool(rss_reset))
+        stats.resources = resources
+    return stats
 
 
 def train_local_ssl(
@@ -497,7 +544,7 @@ def layerwise_round(
         aligner.attach(method)
     try:
         stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
-                               loss_hook=aligner.loss if aligner else None, log=log)
+                               loss_hook=aligner.loss if aligner else None, log=log, account=False)
     finally:
         if aligner is not None:
             aligner.detach()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import numpy as np
@@ -38,6 +38,7 @@ class TrainStats:
     precision: str  # "fp32", "bf16" or "fp16"
     compiled: bool = False  # the training step ran through torch.compile
     compile_fallback: str | None = None  # why a requested compilation was given up (then it ran eagerly)
+    resources: dict[str, float] = field(default_factory=dict)  # what the caller measured (FLOPs, memory, RSS)
 
 
 @dataclass(frozen=True)

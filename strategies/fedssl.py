@@ -14,6 +14,7 @@ lives in ``strategies.aggregation``; the training in the ClientApp.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_
                          record_bytes, to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
+# Per-step client figures whose maxima per client and per run go to summary.json (the clients' ``res.*`` metrics).
+RESOURCE_MAXIMA = ("flops_total", "flops_fvcore_equivalent", "mem_total", "mem_activations", "rss_peak_bytes")
 DEFAULT_MAX_REPLY_BYTES = 8 * 2**30  # a reply larger than this is refused (federation.max_reply_mb sets it)
 
 
@@ -145,6 +148,9 @@ class FedSSL(Strategy):
         self.min_replies = 1
         self._validated: set[int] = set()  # ids of replies already found valid (subclasses screen before super())
         self._foreign_nodes: set[int] = set()  # connected nodes that hold none of this experiment's clients
+        # Per-client and per-run resource totals and maxima (clients' ``res.*`` metrics), kept incrementally so a
+        # resumed run restores them from its checkpoint; summary.json's "resources".
+        self.client_resources: dict[str, Any] = {"per_client": {}, "run": {"flops_run": 0.0}}
 
     def prepare(self, cfg, data, split) -> None:
         """Called by the ServerApp once before the first round with the experiment config, the data set and
@@ -329,6 +335,7 @@ class FedSSL(Strategy):
         for f in failed:
             log(WARNING, "round %d: client %s failed: %s", server_round, f["id"], f["reason"])
         clients = [self.client_record(r) for r in ok]
+        self.account_resources(clients)
         bytes_up = sum(self.payload_bytes(r.content) for r in ok)
         if self.server_store is not None:
             for r, c in zip(ok, clients):
@@ -412,12 +419,14 @@ class FedSSL(Strategy):
         """What a checkpoint must hold to resume this strategy exactly: (plain JSON-able state, arrays, on-disk
         stores by name -> folder). Subclasses extend all three (call super)."""
         stores = {"server-side": str(self.server_store.root)} if self.server_store is not None else {}
-        return {}, {}, stores
+        return {"client_resources": copy.deepcopy(self.client_resources)}, {}, stores
 
     def restore_state(self, plain: dict[str, Any], arrays: dict[str, np.ndarray], stores: dict[str, str]) -> None:
         """Undo ``checkpoint_state`` after ``prepare`` (``stores``: name -> the checkpoint's snapshot folder)."""
         if self.server_store is not None and "server-side" in stores:
             self.server_store.replace_with(stores["server-side"])
+        if "client_resources" in plain:
+            self.client_resources = copy.deepcopy(plain["client_resources"])
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped
@@ -430,9 +439,10 @@ class FedSSL(Strategy):
             for key, value in scores.items():
                 if value is not None:
                     by_arch.setdefault(arch, {}).setdefault(key, []).append(float(value))
+        extras: dict[str, Any] = {"resources": self.resource_summary()}
         if not by_arch:
-            return {}
-        return {"scores_by_arch": {arch: {**{f"{k}_mean": sum(v) / len(v) for k, v in keys.items()},
+            return extras
+        return {**extras, "scores_by_arch": {arch: {**{f"{k}_mean": sum(v) / len(v) for k, v in keys.items()},
                                           **{f"{k}_min": min(v) for k, v in keys.items()},
                                           "num_clients": max(len(v) for v in keys.values())}
                                    for arch, keys in sorted(by_arch.items())}}
@@ -459,9 +469,41 @@ class FedSSL(Strategy):
             "bytes_up": self.payload_bytes(reply.content),
         }
         for key in m.keys():
-            if key.startswith("rule."):
-                record[key[len("rule."):]] = m[key]
+            if key.startswith("rule.") or key.startswith("res."):
+                record[key[4 if key.startswith("res.") else 5:]] = m[key]
         return record
+
+    def account_resources(self, clients: list[dict[str, Any]]) -> None:
+        """Add one round's client records to the run's resource figures: per client the rounds, bytes up, FLOPs of
+        the round (per-sample FLOPs of a step x images trained, summed) and the maxima of the per-step figures."""
+        run = self.client_resources["run"]
+        for c in clients:
+            mine = self.client_resources["per_client"].setdefault(
+                str(c["id"]), {"rounds": 0, "bytes_up": 0, "images_trained": 0.0, "flops_run": 0.0})
+            mine["rounds"] += 1
+            mine["bytes_up"] += int(c.get("bytes_up", 0))
+            if c.get("flops_total") is None:
+                continue
+            images = float(c.get("images_trained", 0.0))
+            mine["images_trained"] += images
+            mine["flops_run"] += float(c["flops_total"]) * images
+            run["flops_run"] += float(c["flops_total"]) * images
+            for key in RESOURCE_MAXIMA:
+                if c.get(key) is not None:
+                    value = float(c[key])
+                    for where in (mine, run):
+                        where[f"{key}_max"] = max(where.get(f"{key}_max", value), value)
+
+    def resource_summary(self) -> dict[str, Any]:
+        """summary.json's "resources": the clients' figures, with the run's bytes both ways."""
+        out = copy.deepcopy(self.client_resources)
+        out["run"]["bytes_up"] = int(sum(r["bytes_up"] for r in self.round_records.values()))
+        out["run"]["bytes_down"] = int(sum(r["bytes_down"] for r in self.round_records.values()))
+        out["units"] = ("bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward "
+                        "/ 2); flops_run = per-sample FLOPs x images trained, summed over rounds; mem_* analytic bytes "
+                        "of one fp32 step at the training batch; rss_peak_bytes the client process's peak during "
+                        "local training")
+        return out
 
     def round_wall_s(self, server_round: int) -> float:
         start = self._round_start.get(server_round)

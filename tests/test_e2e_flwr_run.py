@@ -45,6 +45,21 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     assert summary["knn_gain_over_random"] == pytest.approx(summary["knn_acc"] - rand["knn_acc"])
     assert "gain over random init: linear probe" in (out / "progress.log").read_text().splitlines()[-1]
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
+    # Resources per client and run: each client's per-step FLOPs are those of the run's model counted here
+    # independently, and the run's FLOPs are per-sample FLOPs x images trained, summed over clients and rounds.
+    res = summary["resources"]
+    expected_flops = smoke_step_flops(summary["config"])
+    assert sorted(res["per_client"]) == ["0", "1"]
+    for pid, mine in res["per_client"].items():
+        assert mine["rounds"] == 2 and mine["flops_total_max"] == pytest.approx(expected_flops, rel=1e-9)
+        assert mine["bytes_up"] == sum(c["bytes_up"] for r in rounds for c in r["clients"] if c["id"] == int(pid))
+        assert mine["mem_total_max"] > mine["mem_activations_max"] > 0 and mine["rss_peak_bytes_max"] > 2**20
+        assert mine["images_trained"] == sum(c["images_trained"] for r in rounds for c in r["clients"]
+                                             if c["id"] == int(pid)) > 0
+    assert res["run"]["flops_run"] == pytest.approx(expected_flops * sum(m["images_trained"]
+                                                                         for m in res["per_client"].values()))
+    assert (res["run"]["bytes_up"], res["run"]["bytes_down"]) == (summary["bytes_up_total"],
+                                                                  summary["bytes_down_total"])
     assert (out / "model.pt").stat().st_size > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round 2/2" in (out / "progress.log").read_text()
@@ -71,6 +86,17 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads(ev.stdout.strip().splitlines()[-1])["random_init"] is True
+
+
+def smoke_step_flops(config: dict) -> float:
+    """FLOPs per sample of one local step of the run's model at its batch, counted in this process."""
+    from ssl_models.accounting import training_step_flops
+    from ssl_models.config import ExperimentConfig
+    from ssl_models.factory import build_ssl_model
+
+    cfg = ExperimentConfig.from_dict(config)
+    method = build_ssl_model(cfg, seed=0)
+    return training_step_flops(method, (3, 32, 32), batch_size=min(cfg.train.batch_size, 8))["total"]
 
 
 def test_client_count_mismatch_stops_with_instructions(tmp_path):
@@ -127,6 +153,10 @@ def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):
         assert 0 < r["bytes_up"] < r["bytes_down"]
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["linear_probe_acc"] <= 1 and summary["data"]["public_size"] == 200
+    # Per-client resources follow each client's own architecture: the ResNet-34 client's step costs more.
+    per_client = summary["resources"]["per_client"]
+    assert per_client["1"]["flops_total_max"] > 1.5 * per_client["0"]["flops_total_max"] > 0
+    assert per_client["1"]["mem_total_max"] > per_client["0"]["mem_total_max"]
 
 
 def test_central_strategy_trains_one_client_on_the_union(tmp_path):

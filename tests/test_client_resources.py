@@ -1,0 +1,117 @@
+"""Resource accounting of every strategy's clients (issue 11, item 6): the per-step figures a client measures once per
+model shape, and the server's per-client and per-run totals and maxima, against hand computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import client_app.tasks as tasks
+from ssl_models.accounting import analytic_training_memory, training_step_flops
+from ssl_models.config import ExperimentConfig
+from ssl_models.factory import build_ssl_model
+from strategies import FedSSL
+
+
+def tiny_cfg(**train) -> ExperimentConfig:
+    return ExperimentConfig.from_dict({
+        "model": {"arch": "resnet18", "width": 0.125},
+        "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
+        "train": {"local_epochs": 1, "batch_size": 16, "optimizer": "adam", "lr": 1e-3, "fast_path": False, **train},
+    })
+
+
+def images(n: int = 40) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+
+def test_local_training_reports_the_step_figures_of_its_model(monkeypatch):
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    cfg = tiny_cfg()
+    method = build_ssl_model(cfg, seed=0)
+    expected_flops = training_step_flops(method, (3, 32, 32), batch_size=8)
+    expected_memory = analytic_training_memory(method, "adam", 16, view_shape=(3, 32, 32))
+    stats = tasks.local_training(cfg, method, images(40), lr=1e-3, seed=0, device=torch.device("cpu"))
+    r = stats.resources
+    assert r["flops_total"] == pytest.approx(expected_flops["total"], rel=1e-12)
+    assert r["flops_fvcore_equivalent"] == pytest.approx(expected_flops["forward"] / 2, rel=1e-12)
+    for key, value in expected_memory.items():
+        assert r[f"mem_{key}"] == value
+    assert r["images_trained"] == 2 * 16  # 40 images, batch 16, drop_last: 2 steps
+    assert r["rss_peak_bytes"] > 2**20
+    # the reply's metrics carry them as res.*
+    from client_app.app import train_metrics
+
+    metrics = train_metrics(3, stats)
+    assert metrics["res.flops_total"] == r["flops_total"] and metrics["res.mem_total"] == r["mem_total"]
+
+
+def test_the_figures_are_measured_once_per_model_shape_and_batch(monkeypatch):
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    counted = []
+    real = tasks.training_step_flops
+
+    def counting(method, *args, **kwargs):
+        counted.append(kwargs.get("batch_size"))
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(tasks, "training_step_flops", counting)
+    cfg = tiny_cfg()
+    for seed in (0, 1):  # a new model object of the same shape (the next round): no new measurement
+        tasks.local_training(cfg, build_ssl_model(cfg, seed=seed), images(40), lr=1e-3, seed=0, device="cpu")
+    assert counted == [8]
+    small = tiny_cfg(batch_size=4)  # another batch: another memory figure, measured again
+    stats = tasks.local_training(small, build_ssl_model(small, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    assert counted == [8, 4] and stats.resources["images_trained"] == 10 * 4
+
+
+def test_without_account_the_loop_measures_nothing(monkeypatch):
+    # what layer-wise rounds use: they account their sub-models themselves (lw.* metrics)
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    monkeypatch.setattr(tasks, "training_step_flops", lambda *a, **k: pytest.fail("measured without account"))
+    cfg = tiny_cfg()
+    stats = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(20), lr=1e-3, seed=0, device="cpu",
+                                 account=False)
+    assert stats.resources == {}
+
+
+def client(pid: int, flops: float, images: float, mem: float, rss: float, up: int) -> dict:
+    return {"id": pid, "flops_total": flops, "flops_fvcore_equivalent": flops / 6, "images_trained": images,
+            "mem_total": mem, "mem_activations": mem / 2, "rss_peak_bytes": rss, "bytes_up": up}
+
+
+def test_server_totals_and_maxima_by_hand():
+    s = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2, seed=0)
+    s.account_resources([client(0, 100.0, 32, 1000, 5e8, 7), client(1, 300.0, 16, 3000, 4e8, 9)])
+    s.account_resources([client(0, 100.0, 64, 1200, 6e8, 7)])  # round 2: client 1 missed it
+    s.round_records = {1: {"bytes_up": 16, "bytes_down": 20}, 2: {"bytes_up": 7, "bytes_down": 10}}
+    out = s.resource_summary()
+    c0, c1, run = out["per_client"]["0"], out["per_client"]["1"], out["run"]
+    assert (c0["rounds"], c1["rounds"]) == (2, 1)
+    assert c0["flops_run"] == 100 * 32 + 100 * 64 and c1["flops_run"] == 300 * 16
+    assert run["flops_run"] == 100 * 32 + 100 * 64 + 300 * 16
+    assert (c0["mem_total_max"], c0["rss_peak_bytes_max"], c0["bytes_up"]) == (1200, 6e8, 14)
+    assert (run["mem_total_max"], run["rss_peak_bytes_max"], run["flops_total_max"]) == (3000, 6e8, 300)
+    assert (run["bytes_up"], run["bytes_down"]) == (23, 30)
+    assert "flops_run" in out["units"]
+
+
+def test_a_client_without_figures_counts_its_rounds_and_bytes_only():
+    s = FedSSL(clients={0: 10}, clients_per_round=1, seed=0)
+    s.account_resources([{"id": 0, "bytes_up": 5}])
+    assert s.client_resources["per_client"]["0"] == {"rounds": 1, "bytes_up": 5, "images_trained": 0.0,
+                                                     "flops_run": 0.0}
+
+
+def test_the_totals_survive_a_checkpoint():
+    s = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2, seed=0)
+    s.account_resources([client(0, 100.0, 32, 1000, 5e8, 7)])
+    plain, arrays, stores = s.checkpoint_state()
+    resumed = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2, seed=0)
+    resumed.restore_state(plain, arrays, stores)
+    resumed.account_resources([client(0, 100.0, 32, 1000, 5e8, 7)])
+    assert resumed.client_resources["per_client"]["0"]["rounds"] == 2
+    assert resumed.client_resources["run"]["flops_run"] == 2 * 100 * 32
+    s.account_resources([client(0, 100.0, 32, 1000, 5e8, 7)])  # the original is not shared with the copy
+    assert plain["client_resources"]["run"]["flops_run"] == 100 * 32
