@@ -1,6 +1,6 @@
 """CPU-scale comparison of FedBYOL, FedU and FedEMA (autoscaler) over several seeds.
 
-Runs `configs/fedema/cpu-compare.yaml` as real `flwr run .` simulations (5 SuperNodes), once per
+Runs `configs/fedema/cpu-compare.yaml` as real `flwr run .` simulations (one SuperNode per client), once per
 (strategy, seed), with the centralized reference (`strategy: central`) and the random-init reference every run
 reports, and writes the linear-probe and kNN table (mean and standard deviation over seeds) to
 benchmarks/results/fedema_cpu_compare.{json,md}, updated after every run so partial results survive.
@@ -31,14 +31,23 @@ VARIANTS = {
 }
 
 
+def partition_of(data: dict) -> str:
+    """How the clients' data are split, in words."""
+    if data["partition"] == "pathological":
+        return f"{data['classes_per_client']} classes each"
+    if data["partition"] == "dirichlet":
+        return f"Dirichlet alpha {data['alpha']}"
+    return data["partition"]
+
+
 def write_tables(runs: list[dict], out: Path, command: str, base: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"command": command, "config": base, "runs": runs}, indent=2))
     t = base["train"]
     lines = [f"# FedBYOL vs FedU vs FedEMA at CPU scale ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Command: `{command}`. Config: `configs/fedema/cpu-compare.yaml`. Scale: {base['rounds']} rounds x "
-             f"{t['local_epochs']} local epochs, {base['federation']['num_clients']} clients x "
-             f"{base['data']['classes_per_client']} CIFAR-10 classes, {base['data']['max_train']} training images, "
+             f"{t['local_epochs']} local epochs, {base['federation']['num_clients']} clients "
+             f"({partition_of(base['data'])}), {base['data']['max_train']} CIFAR-10 training images, "
              f"ResNet-18 width {base['model']['width']}, BYOL, {t['optimizer']} lr {t['lr']}, batch {t['batch_size']}. "
              f"Linear probe and kNN (%) on {base['eval']['max_train']} labelled train / {base['eval']['max_test']} "
              "dev-test images (CIFAR-10 dev copy, JPEG-derived: relative comparison only); mean ± std over seeds.", ""]
