@@ -726,3 +726,16 @@ def test_torch_layer_matches_pyproject():
     assert found[0].split() == expected
     assert text.index("${TORCH_REQUIREMENTS}") < text.index("COPY pyproject.toml"), \
         "docker/app.Dockerfile: torch must be installed before pyproject.toml is copied (layer cache)"
+
+
+def test_standin_images_follow_the_official_layout():
+    """docker/standin/Dockerfile (used only where Flower's images cannot be pulled): the official images' user,
+    venv, working folder and one stage per image with its program as the entrypoint."""
+    text = (DOCKER_DIR / "standin" / "Dockerfile").read_text()
+    for needle in ("--uid 49999", "python3 -m venv /python/venv", "ENV PATH=/python/venv/bin:$PATH", "USER app",
+                   "WORKDIR /app", 'flwr==${FLWR_VERSION}'):
+        assert needle in text, f"docker/standin/Dockerfile: no {needle!r}"
+    stages = dict(re.findall(r"^FROM base AS (\w+)\nENTRYPOINT \[\"([\w-]+)\"\]", text, re.M))
+    assert stages == {name: f"flower-{name}" for name in ("superlink", "supernode", "superexec")}, stages
+    for name, program in stages.items():
+        assert shutil.which(program), f"{program} (the {name} image's entrypoint) is not a Flower program"
