@@ -137,13 +137,13 @@ class CompiledStep:
             try:
                 self.compiled = torch.compile(method.training_step, backend=backend)
             except Exception as error:  # noqa: BLE001 - any failure means: train eagerly, and say so
-                self._give_up(error)
+                self.give_up(error)
 
     @property
     def active(self) -> bool:
         return self.compiled is not None
 
-    def _give_up(self, error: BaseException) -> None:
+    def give_up(self, error: BaseException) -> None:
         self.compiled = None
         self.fallback = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         if self.log is not None:
@@ -154,7 +154,7 @@ class CompiledStep:
             try:
                 return self.compiled(view1, view2)
             except Exception as error:  # noqa: BLE001
-                self._give_up(error)
+                self.give_up(error)
         return self.eager(view1, view2)
 
 
@@ -228,12 +228,36 @@ def train_ssl(
             if fp.channels_last:
                 v1 = v1.contiguous(memory_format=torch.channels_last)
                 v2 = v2.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
-                                enabled=fp.autocast_dtype is not None):
-                loss = step_fn(v1, v2)
-                if loss_hook is not None:
-                    loss = loss + loss_hook(method)
-            value = optimizer_step(loss, opt, scaler, f"local SSL loss at epoch {epoch + 1} step {step + 1}")
+            what = f"local SSL loss at epoch {epoch + 1} step {step + 1}"
+
+            def forward_backward_step() -> float:
+                with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
+                                    enabled=fp.autocast_dtype is not None):
+                    loss = step_fn(v1, v2)
+                    if loss_hook is not None:
+                        loss = loss + loss_hook(method)
+                return optimizer_step(loss, opt, scaler, what)
+
+            if step_fn.active and steps == 0:
+                # The compiled backward may be built only when the first backward runs: a failure there also
+                # falls back (no optimizer step has happened yet), and the step is redone eagerly on the buffers
+                # (BN statistics, queues) as they were before the failed try.
+                buffers = {name: b.detach().clone() for name, b in method.named_buffers()}
+                try:
+                    value = forward_backward_step()
+                except FloatingPointError:
+                    raise
+                except Exception as error:  # noqa: BLE001
+                    if not step_fn.active:
+                        raise
+                    step_fn.give_up(error)
+                    opt.zero_grad(set_to_none=True)
+                    with torch.no_grad():
+                        for name, b in method.named_buffers():
+                            b.copy_(buffers[name])
+                    value = forward_backward_step()
+            else:
+                value = forward_backward_step()
             if hasattr(method, "set_progress"):  # momentum schedules (MoCo v3) follow the local progress
                 method.set_progress((epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch))
             method.after_optimizer_step()

@@ -120,3 +120,37 @@ def test_the_client_passes_the_switch_to_the_loop(monkeypatch):
         with pytest.raises(StopIteration):
             tasks.local_training(cfg, TinySimCLR(), images(), lr=0.1, seed=0, device=torch.device("cpu"))
         assert seen["backend"] == backend
+
+
+class BrokenBackward(torch.autograd.Function):
+    """Identity forward whose backward raises, as a compiled backward that fails to build would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CppCompileError: backward kernel failed to build")
+
+
+def test_a_backward_that_fails_on_the_first_step_also_falls_back(monkeypatch):
+    """The failure surfaces in ``loss.backward()``, after the (compiled) forward ran: the step is redone eagerly
+    with the buffers as they were (here BatchNorm's running statistics), so nothing differs from an eager run."""
+
+    class WithBatchNorm(TinySimCLR):
+        def __init__(self) -> None:
+            super().__init__()
+            self.projector = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+
+    def compile_with_broken_backward(fn, backend=None):
+        return lambda v1, v2: BrokenBackward.apply(fn(v1, v2))
+
+    reference = WithBatchNorm()
+    train(reference, None)
+    monkeypatch.setattr(training.torch, "compile", compile_with_broken_backward)
+    method = WithBatchNorm()
+    stats = train(method, "inductor")
+    assert stats.compiled is False and stats.compile_fallback.startswith("RuntimeError: CppCompileError")
+    for (name, a), (_, b) in zip(reference.state_dict().items(), method.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)  # weights and BN running statistics alike
