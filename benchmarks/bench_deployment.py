@@ -11,6 +11,11 @@ The round time is the ServerApp's own `wall_s` (from sending the round's message
 replies, evaluation excluded); the overhead of a round is deployed minus simulated. Writes
 benchmarks/results/deployment.{json,md}.
 
+Containers (`--isolation containers`, or a list such as `subprocess,containers`): the README's one-host compose
+block, docker/compose.yml + docker/compose.tls.yml (process isolation, TLS + SuperNode authentication, each
+component in its own container), on a Docker engine that runs or that the benchmark starts (as root) and stops,
+with the images of tests/docker_engine.py (built or reused); the run config carries the same settings.
+
 Usage: python benchmarks/bench_deployment.py --data /path/cifar10.npz [--rounds 4] [--isolation both]
 """
 
@@ -167,6 +172,44 @@ def deployed_run(raw: dict, isolation: str, threads_per_node: int) -> dict:
                 "rounds": read_jsonl(tmp / "out" / "metrics.jsonl"), "run_s": run_s, "startup_s": started_s}
 
 
+def container_run(raw: dict, data: Path, threads_per_node: int) -> dict:
+    """The same experiment in containers: docker/compose.yml + docker/compose.tls.yml on this machine."""
+    from docker_engine import CACHE, Engine, OneHost, docker_disk_mb, engine_unavailable, ensure_images
+
+    reason = engine_unavailable()
+    if reason:
+        raise RuntimeError(f"no Docker engine for the container run: {reason}")
+    engine = Engine(CACHE / "dockerd.log").start()
+    try:
+        images = ensure_images()
+        with tempfile.TemporaryDirectory() as tmp:
+            one = OneHost(Path(tmp), data, f"fedssl-bench-{os.getpid()}", free_port(), threads_per_node)
+            try:
+                t0 = time.perf_counter()
+                one.up()
+                started_s = time.perf_counter() - t0
+                log = Path(tmp) / "run.log"
+                t1 = time.perf_counter()
+                # The experiment of the other modes, as run-config overrides of the same YAML (inside the FAB).
+                proc = one.cli.run(f"config='configs/smoke.yaml' name='{raw['name']}' rounds={raw['rounds']} "
+                                   f"eval.knn_every={raw['eval']['knn_every']} data.path='/data/cifar10.npz'", log)
+                proc.wait(timeout=3600)
+                run_s = time.perf_counter() - t1
+                summaries = list(one.outputs.glob(f"{raw['name']}-*/summary.json"))
+                if len(summaries) != 1:
+                    raise RuntimeError("container run failed:\n" + log.read_text()[-3000:])
+                out = summaries[0].parent
+                result = {"summary": json.loads(summaries[0].read_text()), "rounds": read_jsonl(out / "metrics.jsonl"),
+                          "run_s": run_s, "startup_s": started_s}
+            finally:
+                one.down()
+        result["images"] = {"flwr": images.flwr, "torch": images.torch, "sizes_mb": images.sizes_mb,
+                            "build_s": images.timings_s, "docker_disk_mb": docker_disk_mb()}
+        return result
+    finally:
+        engine.stop()
+
+
 COLD_START = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -223,13 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, type=Path)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--isolation", default="both", choices=("subprocess", "process", "both"))
+    ap.add_argument("--isolation", default="both",
+                    help="subprocess, process, both (= subprocess,process), containers, or a comma-separated list")
     ap.add_argument("--threads-per-node", type=int, default=0,
                     help="OMP_NUM_THREADS of each SuperNode's ClientApps (default: CPU cores / clients)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "deployment"))
     args = ap.parse_args(argv)
     raw = experiment(args.data, args.rounds)
-    modes = ["subprocess", "process"] if args.isolation == "both" else [args.isolation]
+    modes = ["subprocess", "process"] if args.isolation == "both" else args.isolation.split(",")
+    if not set(modes) <= {"subprocess", "process", "containers"}:
+        ap.error(f"--isolation {args.isolation}: unknown mode")
     threads = args.threads_per_node or max(1, (os.cpu_count() or 1) // raw["federation"]["num_clients"])
 
     runs: dict[str, dict] = {}
@@ -237,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     runs["simulation"] = run_experiment(raw)
     for mode in modes:
         print(f"deployed, {mode} isolation ...", flush=True)
-        runs[f"deployed_{mode}"] = deployed_run(raw, mode, threads)
+        runs[f"deployed_{mode}"] = (container_run(raw, args.data, threads) if mode == "containers"
+                                    else deployed_run(raw, mode, threads))
 
     cold = client_cold_start(raw, threads)
     rows = round_table(runs)
@@ -279,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "starts one for every message; the simulation's ClientApps stay warm)"},
         "rounds": rows,
     }
+    if "deployed_containers" in runs:
+        result["containers"] = {"layout": "docker/compose.yml + docker/compose.tls.yml (process isolation, TLS + "
+                                          "SuperNode authentication), OMP_NUM_THREADS per ClientApp executor as above",
+                                **runs["deployed_containers"]["images"]}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(render(result))
