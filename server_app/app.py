@@ -57,7 +57,9 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
                                  f"{len(nodes)} nodes: {how}")
     clients: dict[int, int] = {}
     hosts: dict[str, int] = {}  # clients per host, to show where the federation runs
-    for info in query_partitions(grid, nodes, timeout=cfg.federation.round_timeout_s):
+    # A node listed but not yet active (a SuperNode recreated a moment ago) is asked again within the node wait.
+    wait_s = max(0.0, deadline - time.monotonic()) if simulated else cfg.federation.node_wait_s
+    for info in query_partitions(grid, nodes, timeout=cfg.federation.round_timeout_s, unavailable_wait_s=wait_s):
         if info.error:
             raise RuntimeError(f"node {info.node_id} failed to report its partition: {info.error}")
         pid, num = info.partition_id, info.num_partitions

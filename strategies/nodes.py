@@ -59,21 +59,23 @@ def _unavailable(reply: Message) -> bool:
     return reply.has_error() and (reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in reply.error.reason)
 
 
-def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float) -> list[NodeInfo]:
+def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
+                     unavailable_wait_s: float | None = None) -> list[NodeInfo]:
     """Ask each node for its partition id; one entry per node that replied (errors included), in node order.
 
     A node the SuperLink lists but reports unavailable (a SuperNode recreated a moment ago, registered but not
-    yet sending heartbeats) is asked again every few seconds until ``timeout`` has passed, instead of failing
-    the query at once; its last error is returned if it never comes up."""
+    yet sending heartbeats) is asked again every few seconds for up to ``unavailable_wait_s`` (default: ``timeout``),
+    instead of failing the query at once; its last error is returned if it never comes up. ``timeout`` bounds
+    each wait for replies."""
     nodes = sorted(nodes)
     if not nodes:
         return []
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if unavailable_wait_s is None else unavailable_wait_s)
     answered: dict[int, NodeInfo] = {}
     while True:
         pending = [n for n in nodes if n not in answered]
         retry = {}
-        for info, unavailable in _query_once(grid, pending, max(0.0, deadline - time.monotonic())):
+        for info, unavailable in _query_once(grid, pending, timeout):
             answered[info.node_id] = info
             if unavailable:
                 retry[info.node_id] = info

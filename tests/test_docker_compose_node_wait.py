@@ -67,3 +67,15 @@ def test_other_errors_are_not_retried():
     grid = FakeGrid(down=1, error_code=0, reason="ClientApp raised an exception")
     infos = query_partitions(grid, [7, 9], timeout=10)
     assert grid.asked.count(9) == 1 and infos[1].error  # an app error is an answer: reported at once
+
+
+def test_the_wait_for_an_unavailable_node_has_its_own_bound():
+    # the ServerApp bounds it by federation.node_wait_s, not by the (longer) reply timeout of each query
+    grid = FakeGrid(down=10**6)
+    t0 = time.monotonic()
+    infos = query_partitions(grid, [7, 9], timeout=600, unavailable_wait_s=0.5)
+    assert time.monotonic() - t0 < 2.0 and grid.asked.count(9) == 1
+    assert "Node Unavailable" in infos[1].error
+    grid = FakeGrid(down=1)
+    infos = query_partitions(grid, [7, 9], timeout=600, unavailable_wait_s=5)
+    assert infos[1].error == "" and grid.asked.count(9) == 2
