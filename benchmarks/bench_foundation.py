@@ -197,7 +197,9 @@ def write_markdown(results: dict, path: Path) -> None:
                   f"{100 * p['fast_knn_acc']:.2f}% | {100 * p['fast_linear_probe_acc']:.2f}% |", "",
                   f"Difference (fast - fp32): **{p['linear_probe_diff_points']:+.2f} points** (goal within 1).", ""]
     lines += ["Data: the CIFAR-10 dev copy (JPEG-derived; dev-test split), so absolute accuracies are for relative "
-              "comparison only.", ""]
+              "comparison only.", "",
+              "Where the step's time goes, and this machine's measured bf16 / fp32 matrix-product limits next to the "
+              "step's achieved GFLOP/s: `fast_path_profile.md` (`python benchmarks/profile_fast_path.py`).", ""]
     path.write_text("\n".join(lines))
 
 
