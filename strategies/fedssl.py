@@ -459,7 +459,8 @@ class FedSSL(Strategy):
 
     def client_record(self, reply: Message) -> dict[str, Any]:
         """Per-client facts of one reply, for metrics.jsonl; ``rule.*`` metrics (what the client's
-        download rule did: FedEMA's mu and divergence, FedU's predictor switch) are added as they are."""
+        download rule did: FedEMA's mu and divergence, FedU's predictor switch) and ``res.*`` metrics (its FLOPs,
+        memory and peak RSS) are added without their prefix."""
         m = reply.content["metrics"]
         record = {
             "id": int(m["partition-id"]),
@@ -469,8 +470,9 @@ class FedSSL(Strategy):
             "bytes_up": self.payload_bytes(reply.content),
         }
         for key in m.keys():
-            if key.startswith("rule.") or key.startswith("res."):
-                record[key[4 if key.startswith("res.") else 5:]] = m[key]
+            for prefix in ("rule.", "res."):  # what the download rule did; the client's resource figures
+                if key.startswith(prefix):
+                    record[key[len(prefix):]] = m[key]
         return record
 
     def account_resources(self, clients: list[dict[str, Any]]) -> None:
