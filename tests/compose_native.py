@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,3 +297,13 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def write_own_data(path: Path, num_train: int) -> Path:
+    """A client site's own small data file (random images; only the training part is used)."""
+    rng = np.random.default_rng(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
+             y_train=rng.integers(0, 10, num_train), x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
+             y_test=rng.integers(0, 10, 20))
+    return path

@@ -25,9 +25,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from compose_native import write_own_data
 from conftest import cifar10_npz, skip_unless_required
 from docker_engine import (APP_UID, CACHE, Cli, Engine, OneHost, Project, checkout, chown_app, docker_disk_mb,
                            engine_unavailable, ensure_images, script, sh)
@@ -141,15 +141,6 @@ def test_one_host_tls_compose(images, tmp_path):
         one.down()
 
 
-def own_data(path: Path, num_train: int) -> Path:
-    rng = np.random.default_rng(0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
-             y_train=rng.integers(0, 10, num_train), x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
-             y_test=rng.integers(0, 10, 20))
-    return path
-
-
 def host_address() -> str:
     """An address of this host that containers on any bridge network reach (the default bridge's gateway)."""
     out = sh("docker", "network", "inspect", "bridge", "--format", "{{range .IPAM.Config}}{{.Gateway}} {{end}}").stdout
@@ -191,7 +182,7 @@ def test_separate_machines_node_refused_stopped_and_back(images, tmp_path):
                         "SECRETS_DIR": str(secrets), "DATA_DIR": str(data), "STATE_DIR": str(state),
                         "NODE_CONFIG": node_config, "OMP_NUM_THREADS": str(THREADS)}, cwd=client_dir)
 
-    site = own_data(tmp_path / "site-2" / "site-2.npz", num_train=96)
+    site = write_own_data(tmp_path / "site-2" / "site-2.npz", num_train=96)
     clients = {"client-1": client("client-1", 0, data_dir),
                "client-2": client("client-2", 1, site.parent, "data-path='/data/site-2.npz'")}
     rogue = client("rogue", 1, data_dir)

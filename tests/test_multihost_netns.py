@@ -22,10 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for
+from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for, write_own_data
 from flwr_harness import kill_processes_with_env, read_jsonl
 from netns import Network, namespaces_unavailable
 from conftest import skip_unless_required
@@ -134,16 +133,6 @@ class Deployment:
         for machine in self.machines.values():
             machine.stop_all()
         kill_processes_with_env(MARKER, self.net.tag)
-
-
-def write_own_data(path: Path, num_train: int) -> Path:
-    """A client site's own small data file (random images; only the training part is used)."""
-    rng = np.random.default_rng(0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
-             y_train=rng.integers(0, 10, num_train), x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
-             y_test=rng.integers(0, 10, 20))
-    return path
 
 
 def reachable(net: Network, host: str, name: str, port: int) -> bool:
