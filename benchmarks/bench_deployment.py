@@ -262,6 +262,42 @@ def round_table(runs: dict[str, dict]) -> list[dict]:
     return rows
 
 
+# A deployed round's time per client, from the timeline each reply carries (metrics.jsonl `timeline_s`: seconds after
+# the server created the client's message; strategies/nodes.py client_timeline), as consecutive stretches.
+HOPS = (
+    ("dispatch", None, "process_start", "SuperLink -> SuperNode (its poll) -> executor (its poll) -> new process"),
+    ("interpreter and Flower", "process_start", "import_start", "Python starts, imports Flower, loads the app"),
+    ("app imports", "import_start", "app_imported", "torch and the app's modules"),
+    ("to the handler", "app_imported", "handler_start", "the message and context reach the handler"),
+    ("handler", "handler_start", "reply_ready", "data, model, local training (train_s), the reply's metrics"),
+    ("way back", "reply_ready", "received", "serialise, -> SuperNode -> SuperLink -> the ServerApp's poll"),
+)
+
+
+def hop_breakdown(rounds: list[dict]) -> dict[str, float]:
+    """Mean over the given rounds' clients of each stretch of HOPS (s), with the mean training time inside the
+    handler. A ClientApp in a long-lived process (the simulation's: its process started before the message) has
+    no start-up stretches: its dispatch runs up to the handler."""
+    values: dict[str, list[float]] = {}
+    for c in (c for r in rounds for c in r.get("clients", [])):
+        t = c.get("timeline_s") or {}
+        if not t:
+            continue
+        reused = t.get("process_start", -1.0) < 0
+        for name, start, end, _ in HOPS:
+            if reused and name != "handler" and name != "way back":
+                if name == "dispatch" and "handler_start" in t:
+                    values.setdefault(name, []).append(t["handler_start"])
+                continue
+            a, b = (0.0 if start is None else t.get(start)), t.get(end)
+            if a is not None and b is not None:
+                values.setdefault(name, []).append(b - a)
+        values.setdefault("train_s (inside the handler)", []).append(float(c["train_s"]))
+        if "received" in t:
+            values.setdefault("message created -> reply received", []).append(t["received"])
+    return {name: statistics.mean(v) for name, v in values.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, type=Path)
@@ -305,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_loss_difference": max(abs(a["train_loss"] - b["train_loss"])
                                        for a, b in zip(runs[mode]["rounds"], runs["simulation"]["rounds"])),
             "linear_probe_acc": runs[mode]["summary"]["linear_probe_acc"],
+            "hops_warm_mean_s": hop_breakdown(runs[mode]["rounds"][1:]),
         }
     result = {
         "command": f"python benchmarks/bench_deployment.py --data {args.data.name} --rounds {args.rounds} "
@@ -319,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         "simulation": {"warm_round_s_mean": statistics.mean(r["simulation_s"] for r in warm),
                        "warm_train_s_mean": statistics.mean(r["simulation_train_s"] for r in warm),
                        "run_s": runs["simulation"]["run_s"],
-                       "linear_probe_acc": runs["simulation"]["summary"]["linear_probe_acc"]},
+                       "linear_probe_acc": runs["simulation"]["summary"]["linear_probe_acc"],
+                       "hops_warm_mean_s": hop_breakdown(runs["simulation"]["rounds"][1:])},
         "deployed": summary,
         "client_cold_start": {**cold, "OMP_NUM_THREADS": threads,
                               "note": "one ClientApp's work in a new process, measured alone (a deployed SuperNode "
@@ -372,6 +410,19 @@ def render(r: dict) -> str:
         lines.append(f"| {m} | {s['warm_round_s_mean']:.1f} | {s['warm_round_overhead_s_mean']:+.1f} | "
                      f"{s['warm_round_ratio']:.2f} | {s['first_round_overhead_s']:+.1f} | {s['run_s']:.0f} | "
                      f"{s['max_loss_difference']:.4f} | {100 * s['linear_probe_acc']:.1f}% |")
+    hops = {"simulation": r["simulation"].get("hops_warm_mean_s", {}),
+            **{m: s.get("hops_warm_mean_s", {}) for m, s in r["deployed"].items()}}
+    if any(hops.values()):
+        names = [h[0] for h in HOPS] + ["train_s (inside the handler)", "message created -> reply received"]
+        what = {h[0]: h[3] for h in HOPS}
+        lines += ["", "Where a warm round's time goes, per client (mean over rounds 2+ and clients, seconds after the "
+                  "server created the client's message, from the timeline each reply carries; one host, one clock; "
+                  "the simulation's ClientApps live in long-lived processes, so it has no dispatch or start-up "
+                  "stretches):", "",
+                  "| stretch | what | " + " | ".join(hops) + " |", "|---|---|" + "---|" * len(hops)]
+        for name in names:
+            lines.append(f"| {name} | {what.get(name, '')} | "
+                         + " | ".join(f"{h[name]:.2f}" if name in h else "-" for h in hops.values()) + " |")
     c = r["client_cold_start"]
     lines += ["", f"A ClientApp in a new process, measured alone (OMP_NUM_THREADS={c['OMP_NUM_THREADS']}): import torch "
               f"{c['import_torch_s']:.1f} s, import the app {c['import_app_s']:.1f} s, load its partition "

@@ -117,8 +117,8 @@ def write_tables(runs: list[dict], configs: dict, out: Path, command: str) -> No
                          + "); each row's gain is over its own.")
     lines += ["", "Measured client cost (mean over seeds; in brackets FedMoCoV3 / row, the paper's direction). "
               "FLOPs: per-sample FLOPs of each round's local step x images trained, summed over clients and rounds "
-              "(the centralized row: its one trainer; it sends no client messages, so its bytes are only the final model's "
-              "for evaluation and no ratio is given). Memory: analytic fp32 step memory at the training batch and the "
+              "(the centralized row: its one trainer; it sends no client messages, so its bytes are only the final "
+              "model's for evaluation and no ratio is given). Memory: analytic fp32 step memory at the training batch and the "
               "client process's RSS peak (a CPU figure, not the paper's CUDA peak). Bytes: everything the strategy "
               "sent and received, heads included.", ""]
     lines += resource_lines(runs, list(configs))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .timeline import timeline_metrics  # first: it marks when the app's own imports began
 
 import numpy as np
 import torch
@@ -20,6 +23,7 @@ from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, S
 
 from .tasks import client_encoder_state, kernel_round, layerwise_round, local_images, similarity_round, train_local_ssl
 
+APP_IMPORTED_AT = time.time()
 app = ClientApp()
 
 
@@ -95,6 +99,12 @@ class RoundInputs:
     partition_id: int
     server_round: int
     images: np.ndarray  # this client's training images
+    sent_at: float  # when the server created the message (its clock)
+    started_at: float  # when this handler began
+
+    def timeline(self) -> dict[str, float]:
+        """The reply's ``t.*`` metrics: where this message's time went before and in this process."""
+        return timeline_metrics(self.sent_at, self.started_at, APP_IMPORTED_AT)
 
     def log(self, line: str) -> None:
         print(f"[client {self.partition_id} round {self.server_round}] {line}", flush=True)
@@ -102,13 +112,14 @@ class RoundInputs:
 
 def round_inputs(msg: Message, context: Context) -> RoundInputs:
     """Decode what every training round needs: the experiment, this client's id, the round, its images."""
+    started_at = time.time()
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
     data_path = str(context.node_config.get("data-path", "")) or None
     scope = str(config.get("data-scope", "partition"))
     images = local_images(cfg, pid, data_path, scope)
-    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images)
+    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at)
     where = ("the union of all partitions of " if scope == "union" else "its partition of ") + \
         (cfg.data.path or cfg.data.dataset)
     # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.
@@ -151,7 +162,7 @@ def train(msg: Message, context: Context) -> Message:
         rule_inputs=rule_inputs, proximal_mu=float(config.get("proximal-mu", 0.0)),
         proximal_form=str(config.get("proximal-form", "paper")), log=r.log,
     )
-    metrics = train_metrics(r.partition_id, result.stats)
+    metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     # What the download rule did (FedEMA's mu and divergence, FedU's predictor switch), for the audit log.
     for key, value in result.info.items():
         if isinstance(value, bool):
@@ -176,7 +187,7 @@ def train_similarity(msg: Message, context: Context) -> Message:
         topk_fraction=float(config.get("topk-fraction", 0.0)) or None, log=r.log,
     )
     reply = RecordDict({SIMILARITY_RECORD: to_array_record(result.payload),
-                        "metrics": MetricRecord(train_metrics(r.partition_id, result.stats))})
+                        "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()})})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -192,7 +203,7 @@ def train_kernel(msg: Message, context: Context) -> Message:
         load_client_state(msg, context, r.partition_id), server_round=r.server_round, partition_id=r.partition_id,
         lr=float(config["lr"]), rad_digest=str(config["rad-digest"]), options=r.cfg.strategy.options, log=r.log,
     )
-    metrics = train_metrics(r.partition_id, result.stats)
+    metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     for key, value in result.info.items():  # CKA to K_bar before/after, the alignment term's mean value
         if isinstance(value, (bool, int, float)):
             metrics[f"align.{key}"] = float(value)
@@ -226,7 +237,7 @@ def train_layerwise(msg: Message, context: Context) -> Message:
         r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
         server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]), plan=plan, log=r.log,
     )
-    metrics = train_metrics(r.partition_id, result.stats)
+    metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     for key, value in result.info.items():  # resources (FLOPs, memory, RSS), alignment loss: numbers only
         if isinstance(value, (bool, int)):
             metrics[f"lw.{key}"] = int(value)

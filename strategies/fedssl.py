@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
-from .nodes import query_partitions, send_and_receive
+from .nodes import client_timeline, query_partitions, send_and_receive
 from .options import check_choice
 from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, from_array_record,
                          record_bytes, to_array_record)
@@ -151,6 +151,7 @@ class FedSSL(Strategy):
         # Per-client and per-run resource totals and maxima (clients' ``res.*`` metrics), kept incrementally so a
         # resumed run restores them from its checkpoint; summary.json's "resources".
         self.client_resources: dict[str, Any] = {"per_client": {}, "run": {"flops_run": 0.0}}
+        self.reply_arrivals: dict[str, float] = {}  # reply message id -> when the ServerApp pulled it (epoch s)
 
     def prepare(self, cfg, data, split) -> None:
         """Called by the ServerApp once before the first round with the experiment config, the data set and
@@ -404,7 +405,9 @@ class FedSSL(Strategy):
         evaluate_config = ConfigRecord()
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            replies = send_and_receive(grid, self.configure_train(server_round, arrays, train_config, grid), timeout)
+            self.reply_arrivals.clear()  # a refused reply's arrival is never looked up
+            replies = send_and_receive(grid, self.configure_train(server_round, arrays, train_config, grid), timeout,
+                                       arrivals=self.reply_arrivals)
             new_arrays, _ = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
@@ -473,6 +476,9 @@ class FedSSL(Strategy):
             for prefix in ("rule.", "res."):  # what the download rule did; the client's resource figures
                 if key.startswith(prefix):
                     record[key[len(prefix):]] = m[key]
+        timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
+        if timeline:
+            record["timeline_s"] = timeline
         return record
 
     def account_resources(self, clients: list[dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@ restarted without a registered key gets a new one).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -21,18 +22,25 @@ from fedssl_wire import INFO_MESSAGE_TYPE
 FIRST_POLL_S, MAX_POLL_S = 0.05, 1.0  # reply polling: quick at first, then backing off
 
 
-def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float | None) -> list[Message]:
+def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float | None,
+                     arrivals: dict[str, float] | None = None) -> list[Message]:
     """``grid.send_and_receive`` with a shorter reply poll. Flower's deployed grid sleeps 3 s between pulls, so a
     round whose replies arrive in 0.5 s still waits up to 3 s; here the poll starts at 50 ms and doubles up to 1 s
-    (a few requests per round on loopback). Grids without push/pull (test doubles) use their own method."""
+    (a few requests per round on loopback). Grids without push/pull (test doubles) use their own method.
+    ``arrivals``, if given, gets each reply's message id -> the epoch time the ServerApp pulled it."""
     if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
-        return list(grid.send_and_receive(messages, timeout=timeout))
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        if arrivals is not None:
+            arrivals.update((m.metadata.message_id, time.time()) for m in replies)
+        return replies
     pending = set(grid.push_messages(messages))
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[Message] = []
     wait = FIRST_POLL_S
     while pending:
         got = list(grid.pull_messages(pending))
+        if arrivals is not None:
+            arrivals.update((m.metadata.message_id, time.time()) for m in got)
         replies.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
@@ -40,6 +48,31 @@ def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float | N
         time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
         wait = min(MAX_POLL_S, wait * 2)
     return replies
+
+
+# The points of a client's handling of one training message, as the ClientApp reports them (client_app/timeline.py):
+# its process started, the app's imports began and ended, the handler began, the reply was ready.
+TIMELINE_POINTS = ("process_start", "import_start", "app_imported", "handler_start", "reply_ready")
+
+
+def client_timeline(metrics, received_at: float | None) -> dict[str, float]:
+    """Seconds from the server's creation of a client's message to each point of its handling and to the reply's
+    arrival at the ServerApp (``received``), from the reply's ``t.*`` metrics; {} for a reply without them. The
+    points come from the client's clock, so across machines they include the clocks' offset; on one host they
+    split a deployed round into dispatch (until ``process_start``: the SuperLink, the SuperNode's poll, the
+    executor starting a process), start-up, the handler's work and the way back. A ClientApp that did not start
+    for this message (the simulation's) has a negative ``process_start``."""
+    def number(key: str) -> float | None:  # a reply's metrics are the client's word: numbers only
+        value = metrics.get(key) if key in metrics else None
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    sent = number("t.sent")
+    if sent is None:
+        return {}
+    out = {p: round(t - sent, 3) for p in TIMELINE_POINTS if (t := number(f"t.{p}")) is not None}
+    if received_at is not None:
+        out["received"] = round(received_at - sent, 3)
+    return out
 
 
 @dataclass(frozen=True)

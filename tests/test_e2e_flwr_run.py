@@ -35,6 +35,11 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
         assert r["bytes_up"] > 0 and r["bytes_down"] == r["bytes_up"]  # same parts both ways
         assert r["wall_s"] > 0 and 0 <= r["knn_acc"] <= 1
         assert sorted(c["id"] for c in r["clients"]) == [0, 1]
+        for c in r["clients"]:  # the client's timeline, in seconds after the server created its message
+            t = c["timeline_s"]
+            assert t["import_start"] <= t["app_imported"]
+            assert 0 <= t["handler_start"] <= t["reply_ready"] <= t["received"]
+            assert t["reply_ready"] - t["handler_start"] >= c["train_s"]
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["linear_probe_acc"] <= 1 and 0 <= summary["knn_acc"] <= 1
     assert summary["rounds_completed"] == 2 and summary["config"]["name"] == "smoke"

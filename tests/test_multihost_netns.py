@@ -213,6 +213,13 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
         assert [f["id"] for f in rounds[1]["failed_clients"]] == [1], rounds[1]
         assert "1 clients ok, 1 failed (client 1:" in round2
         assert sorted(c["id"] for c in rounds[2]["clients"]) == [0, 1]  # the restarted node is back
+        for c in (c for r in rounds for c in r["clients"]):
+            # Deployed, every message gets a new ClientApp process, started after the server created the message
+            # (clock ticks of 10 ms), and the timeline's points follow each other.
+            t = c["timeline_s"]
+            points = [t[k] for k in ("process_start", "import_start", "app_imported", "handler_start",
+                                     "reply_ready", "received")]
+            assert points[0] >= -0.02 and points == sorted(points), t
         own_examples = {c["id"]: c["num_examples"] for c in rounds[0]["clients"]}[1]
         assert own_examples == 96, rounds[0]  # its own file's 96 images, not a partition of the data set
         assert f"results in {out}" in out_log  # the CLI's stream tells the user where they are

@@ -21,7 +21,7 @@ class PushPullGrid:
     def pull_messages(self, ids):
         self.pulls += 1
         now = time.monotonic() - self.t0
-        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=f"m{i}"))
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=f"m{i}", message_id=f"r{i}"))
                 for i, d in enumerate(self.delays) if f"m{i}" in ids and d <= now]
 
 
@@ -41,3 +41,14 @@ def test_the_timeout_ends_the_wait_with_what_has_arrived():
     replies = send_and_receive(grid, ["a", "b"], timeout=0.5)
     assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
     assert 0.4 <= time.monotonic() - t0 < 2.0
+
+
+def test_arrivals_record_when_each_reply_was_pulled():
+    grid = PushPullGrid([0.0, 0.4])
+    arrivals = {}
+    before = time.time()
+    send_and_receive(grid, ["a", "b"], timeout=30, arrivals=arrivals)
+    after = time.time()
+    assert sorted(arrivals) == ["r0", "r1"]
+    assert before <= arrivals["r0"] < before + 0.3  # the first pull, right after the push
+    assert arrivals["r0"] + 0.3 <= arrivals["r1"] <= after  # pulled once it existed, 0.4 s in
