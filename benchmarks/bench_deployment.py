@@ -265,8 +265,9 @@ def round_table(runs: dict[str, dict]) -> list[dict]:
 # A deployed round's time per client, from the timeline each reply carries (metrics.jsonl `timeline_s`: seconds after
 # the server created the client's message; strategies/nodes.py client_timeline), as consecutive stretches.
 HOPS = (
-    ("dispatch", None, "process_start", "SuperLink -> SuperNode (its poll) -> executor (its poll) -> new process"),
-    ("interpreter and Flower", "process_start", "import_start", "Python starts, imports Flower, loads the app"),
+    ("dispatch", None, "process_start", "SuperLink -> SuperNode (its poll) -> executor -> a new process"),
+    ("interpreter and Flower", "process_start", "import_start",
+     "Python and Flower start; the message's objects are received and pulled; the FAB is installed"),
     ("app imports", "import_start", "app_imported", "torch and the app's modules"),
     ("to the handler", "app_imported", "handler_start", "the message and context reach the handler"),
     ("handler", "handler_start", "reply_ready", "data, model, local training (train_s), the reply's metrics"),

@@ -39,7 +39,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
             t = c["timeline_s"]
             assert t["import_start"] <= t["app_imported"]
             assert 0 <= t["handler_start"] <= t["reply_ready"] <= t["received"]
-            assert t["reply_ready"] - t["handler_start"] >= c["train_s"]
+            assert t["reply_ready"] - t["handler_start"] >= c["train_s"] - 0.002  # points rounded to 1 ms
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["linear_probe_acc"] <= 1 and 0 <= summary["knn_acc"] <= 1
     assert summary["rounds_completed"] == 2 and summary["config"]["name"] == "smoke"
