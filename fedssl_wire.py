@@ -1,7 +1,8 @@
 """What the ServerApp and the ClientApp agree on: one module both sides import.
 
 - the names of message types, records and config keys that travel in messages;
-- the encoding of named NumPy arrays as Flower ``ArrayRecord``s, and their byte count;
+- the encoding of named NumPy arrays as Flower ``ArrayRecord``s (one packed buffer + a manifest), and their
+  byte count;
 - where a client keeps its state between rounds (``client_state`` modes and the on-disk store).
 
 Per-client state is a flat mapping of names to NumPy arrays (model entries such as ``target_backbone.*`` plus
@@ -48,16 +49,103 @@ MEMORY_STATE_KEY = "local-state"  # context.state key of the "memory" client-sta
 
 
 # ---------------------------------------------------------------------- array records
+# Flower 1.41 moves every Array of a message as its own object, with one request per object on every hop
+# (ServerApp -> SuperLink -> SuperNode -> ClientApp and back): a BYOL model of ~115 tensors became ~230 objects per
+# message, and those requests, not the bytes, made most of a deployed round's fixed cost. A state therefore travels
+# as two Arrays: every array's bytes back to back in one uint8 buffer, and a manifest (one line per array,
+# ``name<TAB>dtype<TAB>shape``) that says how to cut it. Records without a manifest (built by hand, or by another
+# app) are still read array by array.
+PACKED_KEY = "packed"  # every array's raw bytes, in manifest order, no padding
+MANIFEST_KEY = "manifest"  # utf-8 text: "name\tdtype\tshape" per array, "\n"-separated; shape "2,3" ("" for 0-d)
+
+
+def manifest_line(name: str, value: np.ndarray) -> str:
+    return f"{name}\t{value.dtype.str}\t{','.join(str(n) for n in value.shape)}"
+
+
 def to_array_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
+    """Named arrays as one packed ``ArrayRecord`` (see above); an empty mapping gives an empty record."""
+    if not state:
+        return ArrayRecord()
+    arrays = []
+    for name, value in state.items():
+        if not isinstance(name, str) or not name or "\t" in name or "\n" in name:
+            raise ValueError(f"array name {name!r} cannot travel: names must be non-empty text without tabs or newlines")
+        value = np.ascontiguousarray(value)
+        if value.dtype.hasobject:
+            raise ValueError(f"array {name!r} has dtype {value.dtype}: only plain numeric arrays travel")
+        arrays.append((name, value))
+    manifest = "\n".join(manifest_line(name, value) for name, value in arrays).encode("utf-8")
+    packed = np.empty(sum(value.nbytes for _, value in arrays), dtype=np.uint8)
+    offset = 0
+    for _, value in arrays:
+        packed[offset:offset + value.nbytes] = value.reshape(-1).view(np.uint8)
+        offset += value.nbytes
+    return ArrayRecord({MANIFEST_KEY: Array(np.frombuffer(manifest, dtype=np.uint8)), PACKED_KEY: Array(packed)})
+
+
+def is_packed(record: ArrayRecord) -> bool:
+    return MANIFEST_KEY in record and PACKED_KEY in record and len(record) == 2
+
+
+def record_manifest(record: ArrayRecord) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every array a record holds, in order, without decoding the data. Raises
+    ``ValueError`` naming the problem when a packed record's manifest is malformed."""
+    if not is_packed(record):
+        return [(key, np.dtype(record[key].dtype), tuple(record[key].shape)) for key in record.keys()]
+    try:
+        text = record[MANIFEST_KEY].numpy().tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"packed record: manifest is not utf-8 ({exc})") from None
+    entries = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        parts = line.split("\t")
+        if len(parts) != 3:
+            raise ValueError(f"packed record: manifest line {number} {line[:80]!r} is not name<TAB>dtype<TAB>shape")
+        name, dtype, shape = parts
+        try:
+            dtype = np.dtype(dtype)
+            dims = tuple(int(n) for n in shape.split(",")) if shape else ()
+        except (TypeError, ValueError):
+            raise ValueError(f"packed record: manifest line {number} has a bad dtype or shape: {line[:80]!r}") from None
+        if dtype.hasobject or any(n < 0 for n in dims):
+            raise ValueError(f"packed record: manifest line {number} has a bad dtype or shape: {line[:80]!r}")
+        entries.append((name, dtype, dims))
+    return entries
+
+
+def record_names(record: ArrayRecord) -> list[str]:
+    """The names of the arrays a record holds (packed or not), in order."""
+    return [name for name, _, _ in record_manifest(record)]
+
+
+def entry_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def from_array_record(record: ArrayRecord) -> OrderedDict:
-    return OrderedDict((key, record[key].numpy()) for key in record.keys())
+    """The named arrays of a record (each its own writable array). Raises ``ValueError`` when a packed record's
+    buffer does not hold exactly what its manifest describes."""
+    if not is_packed(record):
+        return OrderedDict((key, record[key].numpy()) for key in record.keys())
+    entries = record_manifest(record)
+    packed = record[PACKED_KEY].numpy()
+    expected = sum(entry_nbytes(dtype, shape) for _, dtype, shape in entries)
+    if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != expected:
+        raise ValueError(f"packed record: buffer holds {packed.nbytes} bytes ({packed.dtype}, shape {packed.shape}), "
+                         f"its manifest describes {expected} bytes of uint8")
+    out, offset = OrderedDict(), 0
+    for name, dtype, shape in entries:
+        size = entry_nbytes(dtype, shape)
+        # a copy per array: aligned for its dtype, writable, and not keeping the whole buffer alive
+        out[name] = packed[offset:offset + size].view(dtype).reshape(shape).copy() if size else np.empty(shape, dtype)
+        offset += size
+    return out
 
 
 def record_bytes(record: ArrayRecord) -> int:
-    """Payload bytes of an ArrayRecord as sent (array data plus its small per-array header)."""
+    """Bytes of an ArrayRecord as Flower counts them: per Array its ``.npy`` blob plus its key (for a packed record:
+    the arrays' raw bytes, the manifest, two ``.npy`` headers and the two keys)."""
     return int(record.count_bytes())
 
 

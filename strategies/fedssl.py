@@ -33,7 +33,7 @@ from .aggregation import sample_clients, weighted_average, weighted_mean
 from .nodes import client_timeline, query_partitions, send_and_receive
 from .options import check_choice
 from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, from_array_record,
-                         record_bytes, to_array_record)
+                         record_bytes, record_manifest, to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 # Per-step client figures whose maxima per client and per run go to summary.json (the clients' ``res.*`` metrics).
@@ -60,7 +60,7 @@ class RejectedReply:
 
 def array_spec(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, dtype) of the arrays of a record: what a reply must carry back."""
-    return {key: (tuple(record[key].shape), str(record[key].dtype)) for key in record.keys()}
+    return {name: (shape, str(dtype)) for name, dtype, shape in record_manifest(record)}
 
 
 @dataclass(frozen=True)
@@ -283,6 +283,13 @@ class FedSSL(Strategy):
         size = sum(record_bytes(rec) for rec in content.array_records.values())
         if size > self.max_reply_bytes:
             return f"{size / 2**20:.1f} MiB of arrays exceeds federation.max_reply_mb ({self.max_reply_bytes / 2**20:.0f})"
+        try:
+            return self._check_reply_arrays(server_round, pid, content) or \
+                self.check_reply_payload(server_round, pid, reply)
+        except ValueError as exc:  # a packed record whose manifest and buffer disagree
+            return str(exc)
+
+    def _check_reply_arrays(self, server_round: int, pid: int, content) -> str | None:
         expected = self.expected_reply_arrays(server_round, pid) or {}
         for name, spec in expected.items():
             if name not in content.array_records:
@@ -298,11 +305,10 @@ class FedSSL(Strategy):
                 k = wrong[0]
                 return f"record {name!r}: array {k!r} has shape/dtype {got[k]}, expected {spec[k]}"
         for name, record in content.array_records.items():
-            for key in record.keys():
-                values = record[key].numpy()
+            for key, values in from_array_record(record).items():
                 if values.dtype.kind in "fc" and not np.isfinite(values).all():
                     return f"record {name!r}: array {key!r} holds non-finite values"
-        return self.check_reply_payload(server_round, pid, reply)
+        return None
 
     def screen_replies(self, server_round: int, replies: list) -> list:
         """The round's replies with every invalid one replaced by a ``RejectedReply`` (logged with node, client and

@@ -62,7 +62,8 @@ from ssl_models.training import resolve_device
 from .aggregation import weighted_average
 from .fedssl import FedSSL, ModelToEvaluate, array_spec
 from .options import check_choice, check_positive, check_unit
-from fedssl_wire import LAYERWISE_MESSAGE_TYPE, from_array_record, to_array_record
+from fedssl_wire import (LAYERWISE_MESSAGE_TYPE, entry_nbytes, from_array_record, record_bytes, record_manifest,
+                         record_names, to_array_record)
 
 CLIENT_TARGETS = ("reset", "keep")
 BYTE_KEYS = ("bytes_down", "bytes_up", "bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads")
@@ -83,16 +84,11 @@ def _check_non_negative(options: dict[str, Any], key: str) -> None:
 
 
 def entry_bytes(record: ArrayRecord) -> tuple[int, int]:
-    """(encoder, heads) bytes of an ArrayRecord as Flower counts them: each array's serialised bytes plus its key;
-    encoder = ``backbone.*`` entries."""
-    encoder = heads = 0
-    for key in record.keys():
-        size = len(record[key].data) + len(key)
-        if is_encoder_key(key):
-            encoder += size
-        else:
-            heads += size
-    return encoder, heads
+    """(encoder, rest) bytes of an ArrayRecord as sent: encoder = the raw bytes of its ``backbone.*`` arrays (what
+    the paper counts); rest = everything else Flower counts for the record (the heads, the manifest, the headers
+    and keys), so that encoder + rest = ``record_bytes``."""
+    encoder = sum(entry_nbytes(dtype, shape) for name, dtype, shape in record_manifest(record) if is_encoder_key(name))
+    return encoder, record_bytes(record) - encoder
 
 
 class LayerwiseFedSSL(FedSSL):
@@ -248,9 +244,10 @@ class LayerwiseFedSSL(FedSSL):
             pid = pid_of_node[m.metadata.dst_node_id]
             record = m.content["arrays"]
             encoder, heads = entry_bytes(record)
-            blocks = sorted({int(k.split(".")[2]) + 1 for k in record.keys() if k.startswith("backbone.blocks.")})
+            names = record_names(record)
+            blocks = sorted({int(k.split(".")[2]) + 1 for k in names if k.startswith("backbone.blocks.")})
             down[pid] = {"bytes_down": encoder + heads, "bytes_down_encoder": encoder, "bytes_down_heads": heads,
-                         "blocks_down": blocks, "full_submodel_down": len(record) == len(self.global_state)}
+                         "blocks_down": blocks, "full_submodel_down": len(names) == len(self.global_state)}
         return messages
 
     def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -344,7 +341,7 @@ class LayerwiseFedSSL(FedSSL):
 
     # ------------------------------------------------------------------ evaluation and summary
     def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
-        return {"global": ModelToEvaluate(self.cfg.model.arch, arrays, depth=state_depth(arrays.keys()))}
+        return {"global": ModelToEvaluate(self.cfg.model.arch, arrays, depth=state_depth(record_names(arrays)))}
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         o = self.options

@@ -16,7 +16,7 @@ from ssl_models.federated.similarity import topk_count
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
 import strategies.flesd as flesd_module
 from strategies import FLESD, FedProx, Local
-from fedssl_wire import from_array_record, to_array_record
+from fedssl_wire import from_array_record, record_names, to_array_record
 from wire_bytes import hand_bytes
 
 TINY = {
@@ -157,9 +157,9 @@ def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path
     assert len(ensembles) == 1
     np.testing.assert_allclose(ensembles[0].double().numpy(), expected, rtol=1e-5, atol=1e-6)
     rec = strategy.round_records[1]
-    # bytes up, by hand: per client 40 x 5 float16 values and 40 x 5 uint8 indices, each array with Flower's
-    # 128-byte header and its key's length: (400 + 128 + 6) + (200 + 128 + 7) = 869
-    assert rec["bytes_up"] == 2 * 869 == sum(hand_bytes(from_array_record(r.content["similarity"])) for r in replies)
+    # bytes up, by hand: per client 40 x 5 float16 values and 40 x 5 uint8 indices (600), the manifest
+    # "values\t<f2\t40,5\nindices\t|u1\t40,5" (32) and the packed record's frame (270): 902
+    assert rec["bytes_up"] == 2 * 902 == sum(hand_bytes(from_array_record(r.content["similarity"])) for r in replies)
     assert rec["distill_steps"] > 0 and np.isfinite(rec["distill_loss"])
     assert [c["arch"] for c in rec["clients"]] == ["resnet18", "resnet34"]
     bad = Message(Error(code=0, reason="PublicSetMismatch: public set mismatch on client 1"), reply_to=msgs[11])
@@ -207,7 +207,8 @@ def test_fedprox_pulls_the_local_model_towards_the_global_one():
 def test_min_local_sends_the_initial_model_once_and_never_aggregates(tmp_path, identity):
     strategy = Local(clients={0: 10, 1: 11}, clients_per_round=2, state_dir=str(tmp_path))
     init = to_array_record({"backbone.w": np.zeros(3, np.float32)})
-    assert len(strategy.arrays_for_client(1, 0, init)) == 1 and len(strategy.arrays_for_client(2, 0, init)) == 0
+    assert record_names(strategy.arrays_for_client(1, 0, init)) == ["backbone.w"]
+    assert len(strategy.arrays_for_client(2, 0, init)) == 0
     req = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=10, message_type="train")
     rep = reply(req, RecordDict({"arrays": to_array_record({"backbone.w": np.ones(3, np.float32)}),
                                  "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0,

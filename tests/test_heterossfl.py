@@ -12,7 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
 from client_app.tasks import PublicSetMismatch, initial_client_model, kernel_round, train_local_ssl
-from fedssl_wire import KERNEL_RECORD, from_array_record, to_array_record
+from fedssl_wire import KERNEL_RECORD, from_array_record, record_names, to_array_record
 from wire_bytes import hand_bytes
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
@@ -238,7 +238,7 @@ def test_local_strategy_runs_mixed_architectures_from_their_own_initial_models(t
     strategy = Local(clients={0: 10, 1: 11}, clients_per_round=2, state_dir=str(tmp_path))
     strategy.prepare(cfg, None, None)
     initial = to_array_record({"backbone.w": np.zeros(2, np.float32)})
-    assert len(strategy.arrays_for_client(1, 0, initial)) == 1  # ResNet-18 = model.arch: the shared initial model
+    assert record_names(strategy.arrays_for_client(1, 0, initial)) == ["backbone.w"]  # ResNet-18 = model.arch: the shared initial model
     assert len(strategy.arrays_for_client(1, 1, initial)) == 0  # ResNet-34 builds its own
     res = train_local_ssl(cfg, client_images(cfg, 1), {}, None, server_round=1, partition_id=1, lr=1e-12,
                           rule="local")
@@ -315,8 +315,9 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
             replies.append(kernel_reply(m, pid, kernel, 40 + 10 * pid))
         strategy.aggregate_train(rnd, replies)
         record = strategy.round_records[rnd]
-        # by hand: a 6 x 6 float32 kernel (144 + 128-byte header + len("values")) and its float32 scale (4 + 128 + 5)
-        assert record["bytes_up"] == record["kernel_bytes_up"] == len(replies) * (144 + 128 + 6 + 4 + 128 + 5)
+        # by hand: a 6 x 6 float32 kernel (144) and its float32 scale (4), the manifest "values\t<f4\t6,6\nscale\t<f4\t1"
+        # (26) and the packed record's frame (270)
+        assert record["bytes_up"] == record["kernel_bytes_up"] == len(replies) * (144 + 4 + 26 + 270)
         sent = [hand_bytes(from_array_record(m.content["arrays"])) for m in msgs]  # K_bar, from shapes and dtypes
         assert record["bytes_down"] == sum(sent) == len(msgs) * record["kbar_bytes_per_client"]
         assert (sent[0] > 0) == (rnd > 1)
@@ -366,7 +367,7 @@ def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_pat
         model = models[name]
         pid = int(name.split("_")[1])
         assert model.arch == cfg.client_arch(pid)
-        keys = list(model.arrays.keys())
+        keys = record_names(model.arrays)
         assert keys and all(k.startswith("backbone.") for k in keys)
     extras = strategy.summary_extras({f"client_{pid}": {"knn_acc": 0.1 * (pid + 1), "linear_probe_acc": None}
                                       for pid in trained})

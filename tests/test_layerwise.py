@@ -29,7 +29,7 @@ from ssl_models.federated.layerwise import (RepresentationAligner, alignment_los
 from strategies import get_strategy_class
 from strategies.fedssl import ModelToEvaluate
 from strategies.layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL, entry_bytes
-from wire_bytes import hand_bytes
+from wire_bytes import hand_bytes, raw_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = "configs/smoke-lwfedssl.yaml"
@@ -324,8 +324,12 @@ def test_bytes_of_every_message_kind_counted_by_hand(variant):
             client = next(c for c in record["clients"] if c["id"] == pid)
             assert client["bytes_down"] == by_hand(cfg, s, down), (variant, r)
             assert client["bytes_up"] == by_hand(cfg, s, up), (variant, r)
-            assert client["bytes_down_encoder"] == by_hand(cfg, s, tuple(p for p in down if p.startswith("backbone")))
-            assert client["bytes_down_heads"] == by_hand(cfg, s, HEADS)
+            # encoder: the raw bytes of the backbone entries; the rest (heads, manifest, frame) completes the message
+            encoder_down = raw_bytes(select(shapes_at(cfg, s), tuple(p for p in down if p.startswith("backbone"))))
+            assert client["bytes_down_encoder"] == encoder_down
+            assert client["bytes_down_heads"] == by_hand(cfg, s, down) - encoder_down
+            assert client["bytes_up_encoder"] == raw_bytes(select(shapes_at(cfg, s), tuple(
+                p for p in up if p.startswith("backbone"))))
             assert client["bytes_up_encoder"] + client["bytes_up_heads"] == client["bytes_up"]
         assert record["bytes_down"] == 2 * by_hand(cfg, s, down) == record["bytes_down_encoder"] + record[
             "bytes_down_heads"]
@@ -384,9 +388,11 @@ def test_entry_bytes_split_the_record_as_flower_counts_it():
     state = OrderedDict([("backbone.blocks.0.w", np.zeros((3, 4), np.float32)), ("projector.0.weight",
                                                                                   np.zeros(5, np.float32))])
     record = to_array_record(state)
-    encoder, heads = entry_bytes(record)
-    assert (encoder, heads) == (48 + 128 + len("backbone.blocks.0.w"), 20 + 128 + len("projector.0.weight"))
-    assert encoder + heads == record.count_bytes() == hand_bytes(state)
+    encoder, rest = entry_bytes(record)
+    # encoder: 12 float32; the rest: 5 float32, the manifest "backbone.blocks.0.w\t<f4\t3,4\nprojector.0.weight\t<f4\t5"
+    # (27 + 1 + 24) and the packed record's frame (270)
+    assert (encoder, rest) == (48, 20 + 52 + 270)
+    assert encoder + rest == record.count_bytes() == hand_bytes(state)
 
 
 # ---------------------------------------------------------------------- the client task

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedssl_wire import KERNEL_RECORD, SIMILARITY_RECORD, from_array_record, to_array_record
@@ -39,10 +39,13 @@ def round_messages(strategy, server_round=1):
     return {m.metadata.dst_node_id: m for m in msgs}
 
 
-def reply(request, arrays=None, pid=0, n=10, loss=1.0, record="arrays"):
+def reply(request, arrays=None, pid=0, n=10, loss=1.0, record="arrays", truncate=0):
     content = {"metrics": MetricRecord({"partition-id": pid, "num-examples": n, "train_loss": loss, "train_s": 0.1})}
     if arrays is not None:
         content[record] = to_array_record(arrays)
+        if truncate:  # a packed buffer shorter than its manifest says (24 + 8 bytes of data)
+            packed = content[record]["packed"].numpy()
+            content[record] = ArrayRecord({"manifest": content[record]["manifest"], "packed": Array(packed[:-truncate])})
     msg = Message(RecordDict(content), reply_to=request)
     msg.metadata.__dict__["_src_node_id"] = request.metadata.dst_node_id
     return msg
@@ -64,6 +67,7 @@ FAULTS = {
     "infinite loss": (lambda: good(1.0), {"loss": float("inf")}, "train_loss must be a finite number"),
     "another client's id": (lambda: good(1.0), {"pid": 1}, "partition-id 1 does not match the node's client 0"),
     "no arrays": (lambda: None, {}, "no 'arrays' record"),
+    "truncated buffer": (lambda: good(1.0), {"truncate": 4}, "buffer holds 28 bytes"),
 }
 
 

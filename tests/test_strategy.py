@@ -79,8 +79,9 @@ def test_configure_train_builds_one_message_per_sampled_client():
     assert cfgs[0] is not cfgs[1]  # per-node config records, never one shared mutable record
     assert all(c["server-round"] == 2 and c["lr"] == 0.25 and c["update-both"] is False for c in cfgs)
     assert "server-round" not in base  # the caller's record is not mutated
-    # by hand: one 4 x 4 float32 array (64 bytes) + Flower's 128-byte .npy header + the key "backbone.w" (10)
-    assert strategy._bytes_down[2] == 2 * (64 + 128 + 10)
+    # by hand (tests/wire_bytes.py): one 4 x 4 float32 array (64 bytes) + its manifest line "backbone.w\t<f4\t4,4"
+    # (18) + the packed record's frame (2 .npy headers of 128 + the keys "manifest" and "packed": 270)
+    assert strategy._bytes_down[2] == 2 * (64 + 18 + 270)
 
 
 def test_configure_train_samples_only_connected_clients():
@@ -109,8 +110,8 @@ def test_aggregate_train_weights_by_examples_and_skips_errors():
     rec = strategy.round_records[1]
     assert rec["train_loss"] == pytest.approx((10 * 2.0 + 30 * 4.0) / 40)
     assert rec["num_clients"] == 2 and rec["num_failed"] == 1 and rec["num_examples"] == 40
-    assert rec["bytes_up"] == 2 * (2 * 4 + 128 + len("w"))  # the failed reply carries nothing
-    assert [c["bytes_up"] for c in rec["clients"]] == [137, 137]
+    assert rec["bytes_up"] == 2 * (2 * 4 + len("w\t<f4\t2") + 270)  # the failed reply carries nothing
+    assert [c["bytes_up"] for c in rec["clients"]] == [285, 285]
     assert [c["id"] for c in rec["clients"]] == [0, 1]
     assert metrics["num-examples"] == 40
 
@@ -167,13 +168,13 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
         r.content["client-state"] = to_array_record({"target.w": np.full(3, float(m.metadata.dst_node_id))})
         replies.append(r)
     strategy.aggregate_train(1, replies)
-    # each reply: "w" 2 float32 (8 + 128 + 1) and the state "target.w" 3 float64 (24 + 128 + 8)
-    assert strategy._bytes_down[1] == 2 * 137  # round 1: the empty state records cost nothing
-    assert strategy.round_records[1]["bytes_up"] == 2 * (137 + 160) == hand_bytes_of(replies)
+    # each reply: "w" 2 float32 (8 + manifest line 7 + frame 270) and the state "target.w" 3 float64 (24 + 14 + 270)
+    assert strategy._bytes_down[1] == 2 * 285  # round 1: the empty state records cost nothing
+    assert strategy.round_records[1]["bytes_up"] == 2 * (285 + 308) == hand_bytes_of(replies)
     msgs2 = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(),
                                                                           FakeGrid([100, 101]))}
     np.testing.assert_array_equal(from_array_record(msgs2[101].content["client-state"])["target.w"], [101.0] * 3)
-    assert strategy._bytes_down[2] == 2 * (137 + 160) == hand_bytes_of(msgs2.values())
+    assert strategy._bytes_down[2] == 2 * (285 + 308) == hand_bytes_of(msgs2.values())
     # The server keeps these states on disk, not in memory.
     assert sorted(p.name for p in (tmp_path / "server-side").iterdir()) == ["client_0.npz", "client_1.npz"]
 

@@ -17,8 +17,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
 from client_app.tasks import fedssl_download, train_local_ssl
-from fedssl_wire import MEMORY_STATE_KEY, from_array_record, to_array_record
-from wire_bytes import hand_bytes
+from fedssl_wire import MEMORY_STATE_KEY, from_array_record, record_names, to_array_record
+from wire_bytes import hand_bytes, raw_bytes
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
@@ -124,11 +124,11 @@ def test_update_both_sends_and_receives_the_online_parts_only(method):
         if variant == "default":
             assert any(k.startswith(TARGET) for k in kept)
         assert ("queue" in kept) == (method == "moco") and "queue" not in up
-        sizes[variant] = (nbytes(down), nbytes(up))
+        sizes[variant] = (raw_bytes(down), raw_bytes(up))  # the arrays' bytes add up (a record's frame does not)
     assert sizes["update_both"] == sizes["default"]  # the paper's update-both costs nothing extra
     down_agg, up_agg = sizes["aggregate_target"]
     model = build_ssl_model(make_cfg(method), seed=0)
-    target_bytes = nbytes(state_to_numpy({k: v for k, v in model.state_dict().items() if k.startswith(TARGET)}))
+    target_bytes = raw_bytes(state_to_numpy({k: v for k, v in model.state_dict().items() if k.startswith(TARGET)}))
     assert down_agg == up_agg == sizes["default"][0] + target_bytes
 
 
@@ -156,14 +156,14 @@ def test_update_both_through_the_strategy_and_the_clientapp(method):
                       node_config={"partition-id": pid, "num-partitions": 2})
         out = app(msg, ctx)
         assert not out.has_error(), out.error
-        assert list(out.content["arrays"].keys()) == list(arrays.keys())  # same parts up as down
+        assert record_names(out.content["arrays"]) == record_names(arrays)  # same parts up as down
         kept = from_array_record(ctx.state.array_records[MEMORY_STATE_KEY])
         assert not any(k.startswith(TARGET) for k in kept) and ("queue" in kept) == (method == "moco")
         replies.append(out)
     new_global, _ = strategy.aggregate_train(1, replies)
     record = strategy.round_records[1]
     assert record["bytes_up"] == 2 * nbytes(sent) == record["bytes_down"]
-    assert list(new_global.keys()) == list(arrays.keys())
+    assert record_names(new_global) == record_names(arrays)
 
 
 # ---------------------------------------------------------------------------------- validation
