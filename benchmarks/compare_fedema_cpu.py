@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from runs import REPO, comparison_lines, previous_runs, run_experiment, run_row
+from runs import REPO, comparison_lines, previous_runs, run_missing
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {
@@ -68,22 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         base["rounds"] = args.rounds
     command = (f"python benchmarks/compare_fedema_cpu.py --data {Path(args.data).name} --seeds "
                + " ".join(map(str, args.seeds)) + (f" --rounds {args.rounds}" if args.rounds else ""))
-    runs = previous_runs(Path(args.out), base)
-    for seed in args.seeds:
-        for variant, strategy in VARIANTS.items():
-            if args.variants and variant not in args.variants:
-                continue
-            if any(r["variant"] == variant and r["seed"] == seed for r in runs):
-                continue  # measured by an earlier invocation with the same config
-            raw = json.loads(json.dumps(base))
-            raw.update(seed=seed, name=f"cpu-compare-{strategy['name']}-seed{seed}", strategy=strategy)
-            raw["data"]["path"] = str(Path(args.data).resolve())
-            res = run_experiment(raw)
-            runs.append({**run_row(variant, seed, res),
-                         "mu": [[c.get("mu") for c in r["clients"]] for r in res["rounds"]]})
-            print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
-                  flush=True)
-            write_tables(runs, Path(args.out), command, base)
+    configs = {variant: {**json.loads(json.dumps(base)), "strategy": strategy, "name": f"cpu-compare-{strategy['name']}"}
+               for variant, strategy in VARIANTS.items()}
+    run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), base),
+                lambda runs: write_tables(runs, Path(args.out), command, base), variants=args.variants,
+                extra=lambda res: {"mu": [[c.get("mu") for c in r["clients"]] for r in res["rounds"]]})
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from runs import REPO, comparison_lines, previous_runs, run_experiment, run_row
+from runs import REPO, comparison_lines, previous_runs, run_missing
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {"FLESD (T=2)": "cpu-compare-flesd.yaml", "FedAvg (SimCLR)": "cpu-compare-fedavg.yaml"}
@@ -65,21 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = load_configs()
     command = f"python benchmarks/compare_flesd_cpu.py --data {Path(args.data).name} --seeds " + " ".join(
         map(str, args.seeds))
-    runs = previous_runs(Path(args.out), configs, key="configs")
-    for seed in args.seeds:
-        for variant, base in configs.items():
-            if args.variants and variant not in args.variants:
-                continue
-            if any(r["variant"] == variant and r["seed"] == seed for r in runs):
-                continue  # measured by an earlier invocation with the same configs
-            raw = json.loads(json.dumps(base))
-            raw["seed"] = seed
-            raw["name"] = f"{base['name']}-seed{seed}"
-            raw["data"]["path"] = str(Path(args.data).resolve())
-            runs.append(run_row(variant, seed, run_experiment(raw)))
-            print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
-                  flush=True)
-            write_tables(runs, configs, Path(args.out), command)
+    run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), configs, key="configs"),
+                lambda runs: write_tables(runs, configs, Path(args.out), command), variants=args.variants)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from runs import REPO, comparison_lines, previous_runs, run_experiment, run_row
+from runs import REPO, comparison_lines, previous_runs, run_missing
 
 RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = REPO / "configs" / "lwfedssl"
@@ -138,22 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown --variants {unknown}; the rows are {list(configs)}")
     command = f"python benchmarks/compare_lwfedssl_cpu.py --data {Path(args.data).name} --seeds " + " ".join(
         map(str, args.seeds))
-    runs = previous_runs(Path(args.out), configs, key="configs")
-    for seed in args.seeds:
-        for variant, base in configs.items():
-            if args.variants and variant not in args.variants:
-                continue
-            if any(r["variant"] == variant and r["seed"] == seed for r in runs):
-                continue  # measured by an earlier invocation with the same configs
-            raw = json.loads(json.dumps(base))
-            raw["seed"] = seed
-            raw["name"] = f"{base['name']}-seed{seed}"
-            raw["data"]["path"] = str(Path(args.data).resolve())
-            res = run_experiment(raw)
-            runs.append({**run_row(variant, seed, res), **resource_row(res)})
-            print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
-                  flush=True)
-            write_tables(runs, configs, Path(args.out), command)
+    run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), configs, key="configs"),
+                lambda runs: write_tables(runs, configs, Path(args.out), command), variants=args.variants,
+                extra=resource_row)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
 

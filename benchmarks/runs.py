@@ -7,6 +7,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -32,6 +33,31 @@ def run_experiment(raw: dict, timeout_s: float = 3600, keep_dir: Path | None = N
             raise RuntimeError(f"{raw.get('name')} failed:\n" + (proc.stdout + proc.stderr)[-3000:])
         return {"summary": json.loads(summary_path.read_text()), "rounds": read_jsonl(tmp / "out" / "metrics.jsonl"),
                 "run_s": time.perf_counter() - t0}
+
+
+def run_missing(configs: dict[str, dict], seeds: list[int], data: str, runs: list[dict],
+                write: Callable[[list[dict]], None], variants: list[str] | None = None,
+                extra: Callable[[dict], dict] | None = None) -> list[dict]:
+    """Run every (seed, row) of a comparison that ``runs`` does not hold yet (an earlier invocation's runs are
+    kept, so a comparison completes across invocations): the row's config with that seed, ``-seed<N>`` added to its
+    name and the data path set. Each run adds ``run_row`` (plus ``extra(result)``) to ``runs``, prints one line and
+    calls ``write(runs)``, so a stopped comparison loses only the run under way."""
+    for seed in seeds:
+        for variant, base in configs.items():
+            if variants and variant not in variants:
+                continue
+            if any(r["variant"] == variant and r["seed"] == seed for r in runs):
+                continue
+            raw = json.loads(json.dumps(base))
+            raw["seed"] = seed
+            raw["name"] = f"{base['name']}-seed{seed}"
+            raw["data"]["path"] = str(Path(data).resolve())
+            res = run_experiment(raw)
+            runs.append({**run_row(variant, seed, res), **(extra(res) if extra else {})})
+            print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
+                  flush=True)
+            write(runs)
+    return runs
 
 
 def mean_std(values: list[float]) -> str:

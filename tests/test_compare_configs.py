@@ -3,9 +3,11 @@ ServerApp would load it, with the strategy its row names and nothing else change
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from server_app.experiment import load_experiment
@@ -35,3 +37,39 @@ def test_layerwise_comparison_rows_validate_and_differ_only_in_strategy(tmp_path
         assert cfg.strategy.name == raw["strategy"]["name"]
         if raw["strategy"]["name"] not in ("fedssl", "central"):  # the layer-wise rows share the stage schedule
             assert cfg.strategy.options["stages"] == 12 and cfg.rounds == 24
+
+
+def fake_result(raw: dict) -> dict:
+    """What run_experiment returns, without a run: scores that identify the run's config and seed."""
+    arch = raw["model"]["arch"]
+    score = 0.3 + 0.01 * raw["seed"] + 0.001 * len(raw["strategy"]["name"])
+    summary = {"config": raw, "linear_probe_acc": score, "knn_acc": score - 0.05,
+               "random_init": {arch: {"linear_probe_acc": 0.3, "knn_acc": 0.25}},
+               "linear_probe_gain_over_random": score - 0.3, "bytes_up_total": 10, "bytes_down_total": 20,
+               "resources": {"run": {"flops_run": 1e12, "mem_total_max": 2**20, "rss_peak_bytes_max": 2**21}}}
+    return {"summary": summary, "rounds": [{"round": 1, "train_loss": 1.0, "knn_acc": 0.2, "clients": [{"mu": 0.5}]}],
+            "run_s": 1.0}
+
+
+@pytest.mark.parametrize("script", ["compare_fedema_cpu", "compare_flesd_cpu", "compare_lwfedssl_cpu"])
+def test_a_comparison_runs_each_missing_seed_and_row_once_and_resumes(script, tmp_path, monkeypatch):
+    import importlib
+
+    import runs
+
+    module = importlib.import_module(script)
+    seen = []
+    monkeypatch.setattr(runs, "run_experiment", lambda raw: seen.append(raw) or fake_result(raw))
+    out = tmp_path / "cmp"
+    assert module.main(["--data", "d.npz", "--seeds", "0", "--out", str(out)]) == 0
+    first = len(seen)
+    assert first >= 2 and {raw["seed"] for raw in seen} == {0}
+    assert all(raw["name"].endswith("-seed0") and raw["data"]["path"] == str(Path("d.npz").resolve())
+               for raw in seen)
+    rows = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert len(rows) == first and len({r["variant"] for r in rows}) == first
+    assert "random init" in out.with_suffix(".md").read_text()
+    # A second invocation with one more seed runs only that seed's rows and keeps the first seed's.
+    assert module.main(["--data", "d.npz", "--seeds", "0", "1", "--out", str(out)]) == 0
+    assert len(seen) == 2 * first and {raw["seed"] for raw in seen[first:]} == {1}
+    assert len(json.loads(out.with_suffix(".json").read_text())["runs"]) == 2 * first
