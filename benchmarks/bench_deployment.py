@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,6 +234,33 @@ print(json.dumps({"import_torch_s": t1 - t0, "import_app_s": t2 - t1, "load_part
 """
 
 
+def message_objects(raw: dict) -> dict:
+    """Flower objects in one training message of this config's model (each is one request on every hop): the app's
+    packed record against one Array per tensor (Flower's plain ArrayRecord, this app's encoding until 2026-11-23)."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from fedssl_wire import record_bytes, to_array_record
+    from ssl_models.config import ExperimentConfig
+    from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+
+    cfg = ExperimentConfig.from_dict(raw)
+    model = build_ssl_model(cfg, seed=cfg.seed)
+    state = state_to_numpy(split_state(model, model.shared_prefixes(with_target=False))[0])
+    # As after a round of training, every tensor distinct: the initial model's BatchNorm ones and zeros repeat, and
+    # Flower stores a repeated object once, which would understate a warm round's count.
+    rng = np.random.default_rng(0)
+    state = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)) if v.dtype.kind == "f" else v
+             for k, v in state.items()}
+    out = {"arrays": len(state)}
+    for name, record in (("per_array", ArrayRecord({k: Array(v) for k, v in state.items()})),
+                         ("packed", to_array_record(state))):
+        content = RecordDict({"arrays": record, "config": ConfigRecord({"server-round": 1})})
+        # + 1: the Message around the content (building one needs a run's identity)
+        out[name] = {"objects": len(get_all_nested_objects(content)) + 1, "record_bytes": record_bytes(record)}
+    return out
+
+
 def client_cold_start(raw: dict, threads: int) -> dict:
     """What a ClientApp pays in a new process before and during its first training (a deployed SuperNode
     starts a new process for every message): imports, loading its partition, the first training."""
@@ -324,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                                     else deployed_run(raw, mode, threads))
 
     cold = client_cold_start(raw, threads)
+    objects = message_objects(raw)
     rows = round_table(runs)
     warm = rows[1:] if len(rows) > 1 else rows
     summary = {}
@@ -363,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "client_cold_start": {**cold, "OMP_NUM_THREADS": threads,
                               "note": "one ClientApp's work in a new process, measured alone (a deployed SuperNode "
                                       "starts one for every message; the simulation's ClientApps stay warm)"},
+        "message_objects": objects,
         "rounds": rows,
     }
     if "deployed_containers" in runs:
@@ -424,6 +454,12 @@ def render(r: dict) -> str:
         for name in names:
             lines.append(f"| {name} | {what.get(name, '')} | "
                          + " | ".join(f"{h[name]:.2f}" if name in h else "-" for h in hops.values()) + " |")
+    o = r.get("message_objects")
+    if o:
+        lines += ["", f"One training message of this model ({o['arrays']} arrays) is {o['packed']['objects']} Flower "
+                  f"objects with the app's packed record ({o['packed']['record_bytes']:,} bytes), against "
+                  f"{o['per_array']['objects']} with one Array per tensor ({o['per_array']['record_bytes']:,} bytes); "
+                  "Flower 1.41 pushes and pulls every object with its own request on every hop."]
     c = r["client_cold_start"]
     lines += ["", f"A ClientApp in a new process, measured alone (OMP_NUM_THREADS={c['OMP_NUM_THREADS']}): import torch "
               f"{c['import_torch_s']:.1f} s, import the app {c['import_app_s']:.1f} s, load its partition "

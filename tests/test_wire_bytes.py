@@ -65,3 +65,15 @@ def test_names_that_cannot_travel_and_malformed_records_are_refused_by_name():
     bad = ArrayRecord({"manifest": Array(np.frombuffer(b"w\t<f4", np.uint8)), "packed": record["packed"]})
     with pytest.raises(ValueError, match="manifest line 1"):
         from_array_record(bad)
+
+
+def test_a_packed_record_is_a_handful_of_flower_objects_whatever_the_number_of_arrays():
+    """The point of packing: Flower moves every object with its own request on every hop."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    rng = np.random.default_rng(0)
+    state = {f"layer{i}.weight": rng.standard_normal((8, 8)).astype(np.float32) for i in range(100)}
+    per_array = ArrayRecord({k: Array(v) for k, v in state.items()})
+    assert len(get_all_nested_objects(per_array)) == 1 + 100 + 100  # the record, each Array and its one chunk
+    # the record, the manifest and the buffer, one chunk each (a buffer over 5 MiB would be cut into more chunks)
+    assert len(get_all_nested_objects(to_array_record(state))) == 1 + 2 + 2
