@@ -78,6 +78,8 @@ def run_row(variant: str, seed: int, res: dict) -> dict:
             "random_init_linear_probe_acc": rand.get("linear_probe_acc"), "random_init_knn_acc": rand.get("knn_acc"),
             "linear_probe_gain_over_random": s.get("linear_probe_gain_over_random"),
             "bytes_up": s["bytes_up_total"], "bytes_down": s["bytes_down_total"], "run_s": res["run_s"],
+            # what the clients' local steps ran in (fp32 / bf16 / fp16): machines differ in bf16 units
+            "precision": sorted({c["precision"] for r in res["rounds"] for c in r.get("clients", []) if "precision" in c}),
             "knn_curve": [[r["round"], r.get("knn_acc")] for r in res["rounds"] if r.get("knn_acc") is not None],
             "loss_curve": [r.get("train_loss") for r in res["rounds"]]}
 

@@ -141,8 +141,9 @@ def state_location(config: ConfigRecord, context: Context) -> str:
 
 def train_metrics(pid: int, s: TrainStats) -> dict:
     """The reply's metrics of one local training: loss, size, time, and the resource figures as ``res.*``."""
+    # A metric record holds numbers only: the precision the step ran in travels as its name ("precision.bf16": 1).
     return {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
-            "steps": s.steps, "images_per_s": s.images_per_s, "compiled": int(s.compiled),
+            "steps": s.steps, "images_per_s": s.images_per_s, "compiled": int(s.compiled), f"precision.{s.precision}": 1,
             **{f"res.{key}": float(value) for key, value in s.resources.items()}}
 
 

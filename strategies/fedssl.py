@@ -482,6 +482,8 @@ class FedSSL(Strategy):
             for prefix in ("rule.", "res."):  # what the download rule did; the client's resource figures
                 if key.startswith(prefix):
                     record[key[len(prefix):]] = m[key]
+            if key.startswith("precision."):  # what the local steps ran in: fp32, bf16 or fp16
+                record["precision"] = key[len("precision."):]
         timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
         if timeline:
             record["timeline_s"] = timeline

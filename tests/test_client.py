@@ -11,6 +11,7 @@ from client_app.tasks import train_local_ssl
 from ssl_models.config import ExperimentConfig
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
 from ssl_models.data.splits import client_images
+from ssl_models.training import fast_path_for, resolve_device
 from fedssl_wire import from_array_record, to_array_record
 
 TINY = {
@@ -96,6 +97,9 @@ def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
         m = reply.content["metrics"]
         assert m["partition-id"] == 1 and m["num-examples"] == len(client_images(cfg, 1))
         assert np.isfinite(m["train_loss"]) and m["train_s"] > 0
+        # the precision the steps ran in, as the fast path chose it for this machine
+        expected = fast_path_for(resolve_device(cfg.train.device), cfg.train.fast_path).precision
+        assert [k for k in m.keys() if k.startswith("precision.")] == [f"precision.{expected}"]
         assert set(from_array_record(reply.content["arrays"])) == set(g)
         local = from_array_record(ctx.state.array_records[MEMORY_STATE_KEY])
         assert int(local.pop("meta.last_round")[0]) == rnd

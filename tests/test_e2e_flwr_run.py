@@ -36,6 +36,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
         assert r["wall_s"] > 0 and 0 <= r["knn_acc"] <= 1
         assert sorted(c["id"] for c in r["clients"]) == [0, 1]
         for c in r["clients"]:  # the client's timeline, in seconds after the server created its message
+            assert c["precision"] in ("fp32", "bf16")  # what its steps ran in (a CPU: no fp16)
             t = c["timeline_s"]
             assert t["import_start"] <= t["app_imported"]
             assert 0 <= t["handler_start"] <= t["reply_ready"] <= t["received"]
