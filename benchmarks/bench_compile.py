@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"--steps {args.steps} --threads {args.threads}",
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(), "torch": torch.__version__,
         "threads": args.threads, "native_bf16": cpu_has_fast_bf16(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the widest vector ISA torch uses here
         "step": f"{args.method}, CIFAR ResNet-18 width 1.0, batch {args.batch} x 2 views, fast path, SGD",
         "eager": eager, "compiled": compiled,
         "warm_speedup": eager["warm_median_s"] / compiled["warm_median_s"],
@@ -97,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     be = result["break_even_steps"]
     lines = [f"# torch.compile of the training step ({result['date']})", "",
-             f"Command: `{result['command']}`. Machine: {result['machine']}, {args.threads} torch threads, native bf16: "
-             f"{result['native_bf16']}, torch {result['torch']}. Step: {result['step']}.", "",
+             f"Command: `{result['command']}`. Machine: {result['machine']} ({result['cpu_capability']}), {args.threads} "
+             f"torch threads, native bf16: {result['native_bf16']}, torch {result['torch']}. Step: {result['step']}.", "",
              "| mode | first step s | warm step s (median) | compiled |", "|---|---|---|---|",
              f"| eager | {eager['first_s']:.2f} | {eager['warm_median_s']:.3f} | - |",
              f"| torch.compile (inductor) | {compiled['first_s']:.2f} | {compiled['warm_median_s']:.3f} | "

@@ -3,6 +3,8 @@ model shape, and the server's per-client and per-run totals and maxima, against 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,12 @@ def tiny_cfg(**train) -> ExperimentConfig:
 
 def images(n: int = 40) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True)
+def no_disk_cache(monkeypatch):
+    """Every test here counts measurements: none may be served from figures an earlier run left on this disk."""
+    monkeypatch.setenv(tasks.RESOURCE_CACHE_VARIABLE, "off")
 
 
 def test_local_training_reports_the_step_figures_of_its_model(monkeypatch):
@@ -64,6 +72,36 @@ def test_the_figures_are_measured_once_per_model_shape_and_batch(monkeypatch):
     small = tiny_cfg(batch_size=4)  # another batch: another memory figure, measured again
     stats = tasks.local_training(small, build_ssl_model(small, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [8, 4] and stats.resources["images_trained"] == 10 * 4
+
+
+def test_the_figures_are_kept_on_the_nodes_disk_for_the_next_process(monkeypatch, tmp_path):
+    """A deployed SuperNode runs every message in a new process: the second process reads the first one's figures."""
+    monkeypatch.setenv(tasks.RESOURCE_CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    counted = []
+    real = tasks.training_step_flops
+    monkeypatch.setattr(tasks, "training_step_flops", lambda *a, **k: counted.append(1) or real(*a, **k))
+    cfg = tiny_cfg()
+    first = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    files = list((tmp_path / "cache").rglob("*.json"))
+    assert counted == [1] and len(files) == 1
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})  # the next message's new process
+    second = tasks.local_training(cfg, build_ssl_model(cfg, seed=1), images(40), lr=1e-3, seed=0, device="cpu")
+    assert counted == [1]
+    for key in ("flops_total", "flops_fvcore_equivalent", "mem_total", "mem_activations"):
+        assert second.resources[key] == first.resources[key]
+    # another method option (same shapes) is another key: measured again, kept beside the first
+    other = tiny_cfg()
+    other.method.options["temperature"] = 0.2
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    tasks.local_training(other, build_ssl_model(other, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    assert counted == [1, 1] and len(list((tmp_path / "cache").rglob("*.json"))) == 2
+    # a torn file is measured again and rewritten, never read as figures
+    files[0].write_text("{\"flops_tot")
+    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    third = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    assert counted == [1, 1, 1] and third.resources["flops_total"] == first.resources["flops_total"]
+    assert json.loads(files[0].read_text())["flops_total"] == first.resources["flops_total"]
 
 
 def test_without_account_the_loop_measures_nothing(monkeypatch):
