@@ -336,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads-per-node", type=int, default=0,
                     help="OMP_NUM_THREADS of each SuperNode's ClientApps (default: CPU cores / clients)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "deployment"))
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="an earlier result's .json: its warm-round figures are put beside the new ones")
     args = ap.parse_args(argv)
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     raw = experiment(args.data, args.rounds)
     modes = ["subprocess", "process"] if args.isolation == "both" else args.isolation.split(",")
     if not set(modes) <= {"subprocess", "process", "containers"}:
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": f"python benchmarks/bench_deployment.py --data {args.data.name} --rounds {args.rounds} "
                    f"--isolation {args.isolation}"
-                   + (f" --threads-per-node {args.threads_per_node}" if args.threads_per_node else ""),
+                   + (f" --threads-per-node {args.threads_per_node}" if args.threads_per_node else "")
+                   + (f" --baseline {args.baseline.name}" if args.baseline else ""),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{os.cpu_count()} CPU cores, no GPU" if not _has_cuda() else f"{os.cpu_count()} CPU cores + GPU",
         "config": "configs/smoke.yaml (2 clients, 200 images each, ResNet-18 width 0.125, BYOL) with "
@@ -395,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         "message_objects": objects,
         "rounds": rows,
     }
+    if baseline is not None:
+        result["baseline"] = {"file": args.baseline.name, "command": baseline.get("command"),
+                              "date": baseline.get("date"), "simulation": baseline.get("simulation"),
+                              "deployed": baseline.get("deployed")}
     if "deployed_containers" in runs:
         result["containers"] = {"layout": "docker/compose.yml + docker/compose.tls.yml (process isolation, TLS + "
                                           "SuperNode authentication), OMP_NUM_THREADS per ClientApp executor as above",
@@ -454,6 +462,20 @@ def render(r: dict) -> str:
         for name in names:
             lines.append(f"| {name} | {what.get(name, '')} | "
                          + " | ".join(f"{h[name]:.2f}" if name in h else "-" for h in hops.values()) + " |")
+    base = r.get("baseline")
+    if base:
+        lines += ["", f"Against the earlier result `{base['file']}` ({base['date']}, `{base['command']}`), warm rounds, "
+                  "mean seconds:", "", "| | earlier | now | change |", "|---|---|---|---|"]
+        for m, s in r["deployed"].items():
+            old = (base.get("deployed") or {}).get(m)
+            if not old:
+                continue
+            pairs = [(f"{m}: warm round", old["warm_round_s_mean"], s["warm_round_s_mean"]),
+                     (f"{m}: warm overhead over the simulation", old["warm_round_overhead_s_mean"],
+                      s["warm_round_overhead_s_mean"])]
+            old_hops, new_hops = old.get("hops_warm_mean_s", {}), s.get("hops_warm_mean_s", {})
+            pairs += [(f"{m}: {name}", old_hops[name], new_hops[name]) for name in new_hops if name in old_hops]
+            lines += [f"| {name} | {a:.2f} | {b:.2f} | {b - a:+.2f} |" for name, a, b in pairs]
     o = r.get("message_objects")
     if o:
         lines += ["", f"One training message of this model ({o['arrays']} arrays) is {o['packed']['objects']} Flower "
