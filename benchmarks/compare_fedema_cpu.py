@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0, help="override the config's rounds (0: keep)")
     ap.add_argument("--variants", nargs="+", default=None, help="only these rows (names as in the table)")
     ap.add_argument("--out", default=str(RESULTS / "fedema_cpu_compare"))
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each run's folder (config, metrics, model.pt) under DIR for later re-scoring")
     args = ap.parse_args(argv)
     base = yaml.safe_load((REPO / "configs" / "fedema" / "cpu-compare.yaml").read_text())
     if args.rounds:
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                for variant, strategy in VARIANTS.items()}
     run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), base),
                 lambda runs: write_tables(runs, Path(args.out), command, base), variants=args.variants,
+                keep_runs=Path(args.keep_runs) if args.keep_runs else None,
                 extra=lambda res: {"mu": [[c.get("mu") for c in r["clients"]] for r in res["rounds"]]})
     print(Path(args.out).with_suffix(".md").read_text())
     return 0

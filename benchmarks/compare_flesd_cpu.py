@@ -61,12 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=None, help="only these rows (names as in the table)")
     ap.add_argument("--out", default=str(RESULTS / "flesd_cpu_compare"))
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each run's folder (config, metrics, model.pt) under DIR for later re-scoring")
     args = ap.parse_args(argv)
     configs = load_configs()
     command = f"python benchmarks/compare_flesd_cpu.py --data {Path(args.data).name} --seeds " + " ".join(
         map(str, args.seeds))
     run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), configs, key="configs"),
-                lambda runs: write_tables(runs, configs, Path(args.out), command), variants=args.variants)
+                lambda runs: write_tables(runs, configs, Path(args.out), command), variants=args.variants,
+                keep_runs=Path(args.keep_runs) if args.keep_runs else None)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
 

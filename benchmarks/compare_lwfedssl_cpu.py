@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=None, help="only these rows (names as in the table)")
     ap.add_argument("--out", default=str(RESULTS / "lwfedssl_cpu_compare"))
+    ap.add_argument("--keep-runs", default=None, metavar="DIR",
+                    help="keep each run's folder (config, metrics, model.pt) under DIR for later re-scoring")
     args = ap.parse_args(argv)
     configs = load_configs()
     unknown = sorted(set(args.variants or []) - set(configs))
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         map(str, args.seeds))
     run_missing(configs, args.seeds, args.data, previous_runs(Path(args.out), configs, key="configs"),
                 lambda runs: write_tables(runs, configs, Path(args.out), command), variants=args.variants,
+                keep_runs=Path(args.keep_runs) if args.keep_runs else None,
                 extra=resource_row)
     print(Path(args.out).with_suffix(".md").read_text())
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -37,11 +38,13 @@ def run_experiment(raw: dict, timeout_s: float = 3600, keep_dir: Path | None = N
 
 def run_missing(configs: dict[str, dict], seeds: list[int], data: str, runs: list[dict],
                 write: Callable[[list[dict]], None], variants: list[str] | None = None,
-                extra: Callable[[dict], dict] | None = None) -> list[dict]:
+                extra: Callable[[dict], dict] | None = None, keep_runs: Path | None = None) -> list[dict]:
     """Run every (seed, row) of a comparison that ``runs`` does not hold yet (an earlier invocation's runs are
     kept, so a comparison completes across invocations): the row's config with that seed, ``-seed<N>`` added to its
     name and the data path set. Each run adds ``run_row`` (plus ``extra(result)``) to ``runs``, prints one line and
-    calls ``write(runs)``, so a stopped comparison loses only the run under way."""
+    calls ``write(runs)``, so a stopped comparison loses only the run under way. With ``keep_runs`` each run's
+    folder (config, metrics, ``model.pt``) is kept at ``keep_runs/<variant>-seed<N>``, so its saved encoders can be
+    scored again later (``fedssl-eval``) without training again."""
     for seed in seeds:
         for variant, base in configs.items():
             if variants and variant not in variants:
@@ -52,12 +55,20 @@ def run_missing(configs: dict[str, dict], seeds: list[int], data: str, runs: lis
             raw["seed"] = seed
             raw["name"] = f"{base['name']}-seed{seed}"
             raw["data"]["path"] = str(Path(data).resolve())
-            res = run_experiment(raw)
+            keep = {}
+            if keep_runs is not None:
+                keep["keep_dir"] = Path(keep_runs) / f"{variant_slug(variant)}-seed{seed}"
+            res = run_experiment(raw, **keep)
             runs.append({**run_row(variant, seed, res), **(extra(res) if extra else {})})
             print(json.dumps({k: runs[-1][k] for k in ("variant", "seed", "linear_probe_acc", "knn_acc", "run_s")}),
                   flush=True)
             write(runs)
     return runs
+
+
+def variant_slug(variant: str) -> str:
+    """A table row's name as a folder name: "FedEMA (autoscaler, tau 0.7)" -> "fedema-autoscaler-tau-0.7"."""
+    return re.sub(r"[^a-z0-9.]+", "-", variant.lower()).strip("-")
 
 
 def mean_std(values: list[float]) -> str:

@@ -58,8 +58,9 @@ def test_a_comparison_runs_each_missing_seed_and_row_once_and_resumes(script, tm
     import runs
 
     module = importlib.import_module(script)
-    seen = []
-    monkeypatch.setattr(runs, "run_experiment", lambda raw: seen.append(raw) or fake_result(raw))
+    seen, kept = [], []
+    monkeypatch.setattr(runs, "run_experiment",
+                        lambda raw, keep_dir=None: seen.append(raw) or kept.append(keep_dir) or fake_result(raw))
     out = tmp_path / "cmp"
     assert module.main(["--data", "d.npz", "--seeds", "0", "--out", str(out)]) == 0
     first = len(seen)
@@ -73,3 +74,9 @@ def test_a_comparison_runs_each_missing_seed_and_row_once_and_resumes(script, tm
     assert module.main(["--data", "d.npz", "--seeds", "0", "1", "--out", str(out)]) == 0
     assert len(seen) == 2 * first and {raw["seed"] for raw in seen[first:]} == {1}
     assert len(json.loads(out.with_suffix(".json").read_text())["runs"]) == 2 * first
+    assert kept == [None] * len(seen)
+    # --keep-runs: one folder per (row, seed), named after both, under the given folder.
+    assert module.main(["--data", "d.npz", "--seeds", "2", "--out", str(out), "--keep-runs", str(tmp_path / "k")]) == 0
+    folders = kept[2 * first:]
+    assert len(folders) == first and len(set(folders)) == first
+    assert all(f.parent == tmp_path / "k" and f.name.endswith("-seed2") for f in folders)
