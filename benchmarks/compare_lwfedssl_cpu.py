@@ -104,7 +104,7 @@ def write_tables(runs: list[dict], configs: dict, out: Path, command: str) -> No
              f"over {d['max_train']} CIFAR-10 training images with {public} held by the server as auxiliary "
              f"data, {base['strategy']['options'].get('stages')} stages, {base['rounds']} rounds of "
              f"{t['local_epochs']} local epoch, batch {t['batch_size']}, {t['optimizer']} lr {t['lr']}. Linear probe / "
-             f"kNN (%) on {base['eval']['max_train']} labelled train and {base['eval']['max_test']} dev-test images "
+             f"kNN (%) on {base['eval']['max_train']} labelled train and {base['eval']['max_test'] or 'all'} dev-test images "
              "(CIFAR-10 dev copy, JPEG-derived: relative comparison only); mean ± std over seeds.", ""]
     lines += comparison_lines(runs, list(configs), {v: describe(raw) for v, raw in configs.items()})
     # The random-init row shows one reference per seed; every row's final encoder has all blocks, so the rows of
