@@ -100,7 +100,7 @@ def comparison_lines(runs: list[dict], variants: list[str], schedules: dict[str,
     with linear probe, kNN and the gain over random init (mean ± std over seeds, in points), bytes and run time."""
     pct = (lambda rs, key: [100 * r[key] for r in rs if r.get(key) is not None])
     lines = ["| row | schedule | seeds | linear probe | kNN | linear-probe gain over random init | per-seed linear "
-             "probe | up MiB / run | run s |", "|---|---|---|---|---|---|---|---|---|"]
+             "probe | per-seed gain | up MiB / run | run s |", "|---|---|---|---|---|---|---|---|---|---|"]
     by_seed: dict[int, dict] = {}
     for r in runs:
         if r.get("random_init_linear_probe_acc") is not None:
@@ -110,7 +110,7 @@ def comparison_lines(runs: list[dict], variants: list[str], schedules: dict[str,
         lines.append(f"| random init (same architecture and seed, never trained) | - | "
                      f"{', '.join(str(s) for s in sorted(by_seed))} | {mean_std(pct(rand, 'random_init_linear_probe_acc'))} | "
                      f"{mean_std(pct(rand, 'random_init_knn_acc'))} | 0 | "
-                     f"{', '.join('%.2f' % (100 * r['random_init_linear_probe_acc']) for r in rand)} | - | - |")
+                     f"{', '.join('%.2f' % (100 * r['random_init_linear_probe_acc']) for r in rand)} | 0 | - | - |")
     for variant in variants:
         rs = [r for r in runs if r["variant"] == variant]
         if not rs:
@@ -119,9 +119,21 @@ def comparison_lines(runs: list[dict], variants: list[str], schedules: dict[str,
                      f"{mean_std(pct(rs, 'linear_probe_acc'))} | {mean_std(pct(rs, 'knn_acc'))} | "
                      f"{mean_std(pct(rs, 'linear_probe_gain_over_random'))} | "
                      f"{', '.join('%.2f' % (100 * r['linear_probe_acc']) for r in rs)} | "
+                     f"{', '.join(gain_text(r) for r in rs)} | "
                      f"{sum(r['bytes_up'] for r in rs) / len(rs) / 2**20:.1f} | "
                      f"{sum(r['run_s'] for r in rs) / len(rs):.0f} |")
     return lines
+
+
+def gain_text(run: dict) -> str:
+    """One run's linear-probe gain over its own random init, in signed points ("-" when it has no reference)."""
+    gain = run.get("linear_probe_gain_over_random")
+    return "-" if gain is None else f"{100 * gain:+.2f}"
+
+
+def test_images_text(max_test: int) -> str:
+    """How many dev-test images a protocol scores on, in words (``eval.max_test`` 0 means all of them)."""
+    return "all" if not max_test else str(max_test)
 
 
 def previous_runs(out: Path, base: dict, key: str = "config") -> list[dict]:
