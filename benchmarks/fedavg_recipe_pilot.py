@@ -1,0 +1,128 @@
+"""How fast one SSL recipe learns under FedAvg at CPU scale, in one process: a recipe pilot before a comparison.
+
+FedBYOL as `strategy: fedssl` runs it (the server averages the online backbone, projector and predictor, BatchNorm
+statistics included, weighted by partition size; every client keeps its own target branch, a copy of the global
+online branch at its first round), but without Flower: K client models in this process, trained one after the
+other with the clients' own loop (``train_ssl``). No messages, no subprocesses, no per-round evaluation unless
+asked, so a pilot costs its training time and little more. The data are drawn as the app draws them in spirit,
+not bit for bit (a class-stratified subset, a Dirichlet split), so a pilot's figures are for choosing a recipe; the
+comparison itself runs through `flwr run` (benchmarks/compare_fedema_cpu.py).
+
+Scored with the project's protocol (``evaluate_backbone``: standardised backbone features, kNN and a 100-epoch
+linear probe) on 5 000 labelled train images and all test images, before training (the random-init reference
+of this very model) and after the last round; kNN alone every ``--every`` rounds. One JSON line per point.
+
+  python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --clients 3 --rounds 8 --epochs 5 \\
+      --train '{"batch_size": 32, "lr": 0.001, "optimizer": "adam"}' --lr-schedule constant
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ssl_models.config import ExperimentConfig  # noqa: E402
+from ssl_models.data.partition import dirichlet_partition, stratified_choice  # noqa: E402
+from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
+from ssl_models.factory import build_augment, build_ssl_model  # noqa: E402
+from ssl_models.training import train_ssl  # noqa: E402
+
+BYOL_CPU_HEADS = '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512, "momentum": 0.99}'
+
+
+def fedavg_shared(states: list[dict[str, torch.Tensor]], sizes: list[int]) -> dict[str, torch.Tensor]:
+    """Weighted mean of the clients' shared tensors (float accumulation, cast back to each tensor's dtype)."""
+    weights = np.asarray(sizes, dtype=np.float64) / float(sum(sizes))
+    return {key: sum(float(w) * s[key].double() for w, s in zip(weights, states)).to(states[0][key].dtype)
+            for key in states[0]}
+
+
+def round_lr(lr: float, schedule: str, server_round: int, rounds: int) -> float:
+    """The app's per-round learning rate (``ExperimentConfig.round_lr``): cosine across rounds or constant."""
+    if schedule == "constant":
+        return lr
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / max(1, rounds)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help=".npz with x_train, y_train, x_test, y_test")
+    ap.add_argument("--method", default="byol")
+    ap.add_argument("--options", default=BYOL_CPU_HEADS, help="method options (JSON)")
+    ap.add_argument("--train", default='{"batch_size": 64, "lr": 0.001, "optimizer": "adam"}',
+                    help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay")
+    ap.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine")
+    ap.add_argument("--augment", default="{}", help="the config's augment section (JSON)")
+    ap.add_argument("--width", type=float, default=0.25)
+    ap.add_argument("--images", type=int, default=4000)
+    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--alpha", type=float, default=1.0, help="Dirichlet alpha of the label split")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=5, help="local epochs per round")
+    ap.add_argument("--every", type=int, default=4, help="kNN every this many rounds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    data = np.load(args.data)
+    x_train, y_train, x_test, y_test = data["x_train"], data["y_train"], data["x_test"], data["y_test"]
+    chosen = stratified_choice(y_train, args.images, np.random.default_rng(args.seed))
+    parts = (dirichlet_partition(y_train[chosen], args.clients, args.alpha, args.seed) if args.clients > 1
+             else [np.arange(len(chosen))])
+    bank = np.random.default_rng(args.seed + 5).permutation(len(x_train))[:5000]
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    raw = {"model": {"arch": "resnet18", "width": args.width},
+           "method": {"name": args.method, "options": json.loads(args.options)}}
+    if json.loads(args.augment):
+        raw["augment"] = json.loads(args.augment)
+    cfg = ExperimentConfig.from_dict(raw)
+    global_model = build_ssl_model(cfg, seed=args.seed)
+    augment = build_augment(cfg, int(x_train.shape[1]))
+    train = json.loads(args.train)
+    shared = global_model.shared_prefixes()
+    clients = [copy.deepcopy(global_model) for _ in parts]  # each one's target starts as the global online branch
+    started = time.perf_counter()
+
+    def score(server_round: int, linear: bool) -> None:
+        r = evaluate_backbone(global_model.backbone, x_train[bank], y_train[bank], x_test, y_test, num_classes,
+                              linear=linear)
+        print(json.dumps({"round": server_round, "linear_probe_acc": r["linear_probe_acc"], "knn_acc": r["knn_acc"],
+                          "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+
+    score(0, linear=True)
+    for server_round in range(1, args.rounds + 1):
+        lr = round_lr(train["lr"], args.lr_schedule, server_round, args.rounds)
+        global_state = global_model.state_dict()
+        states, sizes, losses, precision = [], [], [], ""
+        for k, (client, part) in enumerate(zip(clients, parts)):
+            state = client.state_dict()
+            state.update({key: value.clone() for key, value in global_state.items() if key.startswith(shared)})
+            client.load_state_dict(state)
+            stats = train_ssl(client, x_train[chosen[part]], epochs=args.epochs, augment=augment,
+                              seed=args.seed * 1000 + server_round * 10 + k, **{**train, "lr": lr})
+            states.append({key: value.detach().clone() for key, value in client.state_dict().items()
+                           if key.startswith(shared)})
+            sizes.append(len(part))
+            losses.append(stats.loss)
+            precision = stats.precision
+        global_state.update(fedavg_shared(states, sizes))
+        global_model.load_state_dict(global_state)
+        print(json.dumps({"round": server_round, "train_loss": round(float(np.mean(losses)), 4), "lr": lr,
+                          "precision": precision, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        last = server_round == args.rounds
+        if last or server_round % args.every == 0:
+            score(server_round, linear=last)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
