@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from runs import REPO, comparison_lines, previous_runs, run_missing, test_images_text
+from runs import REPO, comparison_lines, previous_runs, run_missing, scored_images_text
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {
@@ -59,7 +59,7 @@ def write_tables(runs: list[dict], out: Path, command: str, base: dict) -> None:
              f"{base['method']['options'].get('momentum')}), {t['optimizer']} lr {t['lr']} "
              f"({t.get('lr_schedule', 'cosine')} across rounds), batch {t['batch_size']}. "
              f"Linear probe and kNN (%) on {base['eval']['max_train']} labelled train / "
-             f"{test_images_text(base['eval']['max_test'])} dev-test images (CIFAR-10 dev copy, JPEG-derived: "
+             f"{scored_images_text(base['eval']['max_test'])} dev-test images (CIFAR-10 dev copy, JPEG-derived: "
              "relative comparison only); mean ± std over seeds.", ""]
     lines += comparison_lines(runs, list(VARIANTS))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -131,7 +131,7 @@ def gain_text(run: dict) -> str:
     return "-" if gain is None else f"{100 * gain:+.2f}"
 
 
-def test_images_text(max_test: int) -> str:
+def scored_images_text(max_test: int) -> str:
     """How many dev-test images a protocol scores on, in words (``eval.max_test`` 0 means all of them)."""
     return "all" if not max_test else str(max_test)
 

@@ -80,3 +80,17 @@ def test_a_comparison_runs_each_missing_seed_and_row_once_and_resumes(script, tm
     folders = kept[2 * first:]
     assert len(folders) == first and len(set(folders)) == first
     assert all(f.parent == tmp_path / "k" and f.name.endswith("-seed2") for f in folders)
+
+
+def test_comparison_table_shows_each_seeds_signed_gain_and_the_random_init_row():
+    import runs
+
+    made = [{"variant": "FedBYOL", "seed": s, "linear_probe_acc": lp, "knn_acc": 0.3, "random_init_linear_probe_acc": ri,
+             "random_init_knn_acc": 0.28, "linear_probe_gain_over_random": lp - ri, "bytes_up": 2**20, "run_s": 10.0}
+            for s, lp, ri in ((0, 0.393, 0.3304), (1, 0.36, 0.365))]
+    lines = runs.comparison_lines(made, ["FedBYOL", "FedU"])
+    header, rule, random_row, byol_row = lines
+    assert header.count("|") == rule.count("|") == random_row.count("|") == byol_row.count("|")
+    assert "| 33.04, 36.50 | 0 |" in random_row
+    assert "| 39.30, 36.00 | +6.26, -0.50 |" in byol_row  # a loss against random init keeps its sign
+    assert runs.scored_images_text(0) == "all" and runs.scored_images_text(1000) == "1000"
