@@ -1,10 +1,10 @@
 """How fast one SSL recipe learns under FedAvg at CPU scale, in one process: a recipe pilot before a comparison.
 
-FedBYOL as `strategy: fedssl` runs it (the server averages the online backbone, projector and predictor, BatchNorm
-statistics included, weighted by partition size; every client keeps its own target branch, a copy of the global
-online branch at its first round), but without Flower: K client models in this process, trained one after the
-other with the clients' own loop (``train_ssl``). No messages, no subprocesses, no per-round evaluation unless
-asked, so a pilot costs its training time and little more. The data are drawn as the app draws them in spirit,
+FedBYOL as `strategy: fedssl` runs it (the server's ``weighted_average`` of the online backbone, projector and
+predictor, BatchNorm statistics included, weighted by partition size; the app's per-round learning rate; every
+client keeps its own target branch, a copy of the global online branch at its first round), but without Flower:
+K client models in this process, trained one after the other with the clients' own loop (``train_ssl``). No
+messages, no subprocesses, no per-round evaluation unless asked, so a pilot costs its training time and little more. The data are drawn as the app draws them in spirit,
 not bit for bit (a class-stratified subset, a Dirichlet split), so a pilot's figures are for choosing a recipe; the
 comparison itself runs through `flwr run` (benchmarks/compare_fedema_cpu.py).
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -34,24 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ssl_models.config import ExperimentConfig  # noqa: E402
 from ssl_models.data.partition import dirichlet_partition, stratified_choice  # noqa: E402
 from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
-from ssl_models.factory import build_augment, build_ssl_model  # noqa: E402
+from ssl_models.factory import (  # noqa: E402
+    build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy)
 from ssl_models.training import train_ssl  # noqa: E402
+from strategies.aggregation import weighted_average  # noqa: E402 - the server's FedAvg (pure NumPy)
 
 BYOL_CPU_HEADS = '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512, "momentum": 0.99}'
-
-
-def fedavg_shared(states: list[dict[str, torch.Tensor]], sizes: list[int]) -> dict[str, torch.Tensor]:
-    """Weighted mean of the clients' shared tensors (float accumulation, cast back to each tensor's dtype)."""
-    weights = np.asarray(sizes, dtype=np.float64) / float(sum(sizes))
-    return {key: sum(float(w) * s[key].double() for w, s in zip(weights, states)).to(states[0][key].dtype)
-            for key in states[0]}
-
-
-def round_lr(lr: float, schedule: str, server_round: int, rounds: int) -> float:
-    """The app's per-round learning rate (``ExperimentConfig.round_lr``): cosine across rounds or constant."""
-    if schedule == "constant":
-        return lr
-    return lr * 0.5 * (1.0 + math.cos(math.pi * (server_round - 1) / max(1, rounds)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
              else [np.arange(len(chosen))])
     bank = np.random.default_rng(args.seed + 5).permutation(len(x_train))[:5000]
     num_classes = int(max(y_train.max(), y_test.max())) + 1
-    raw = {"model": {"arch": "resnet18", "width": args.width},
-           "method": {"name": args.method, "options": json.loads(args.options)}}
+    train = json.loads(args.train)
+    raw = {"rounds": args.rounds, "model": {"arch": "resnet18", "width": args.width},
+           "method": {"name": args.method, "options": json.loads(args.options)},
+           "train": {"lr": train["lr"], "lr_schedule": args.lr_schedule}}  # cfg.round_lr: the app's schedule
     if json.loads(args.augment):
         raw["augment"] = json.loads(args.augment)
     cfg = ExperimentConfig.from_dict(raw)
     global_model = build_ssl_model(cfg, seed=args.seed)
     augment = build_augment(cfg, int(x_train.shape[1]))
-    train = json.loads(args.train)
     shared = global_model.shared_prefixes()
     clients = [copy.deepcopy(global_model) for _ in parts]  # each one's target starts as the global online branch
     started = time.perf_counter()
@@ -100,22 +88,18 @@ def main(argv: list[str] | None = None) -> int:
 
     score(0, linear=True)
     for server_round in range(1, args.rounds + 1):
-        lr = round_lr(train["lr"], args.lr_schedule, server_round, args.rounds)
-        global_state = global_model.state_dict()
+        lr = cfg.round_lr(server_round)
+        global_shared = state_to_numpy(split_state(global_model, shared)[0])
         states, sizes, losses, precision = [], [], [], ""
         for k, (client, part) in enumerate(zip(clients, parts)):
-            state = client.state_dict()
-            state.update({key: value.clone() for key, value in global_state.items() if key.startswith(shared)})
-            client.load_state_dict(state)
+            load_partial_state(client, global_shared)  # the download; the client's target stays its own
             stats = train_ssl(client, x_train[chosen[part]], epochs=args.epochs, augment=augment,
                               seed=args.seed * 1000 + server_round * 10 + k, **{**train, "lr": lr})
-            states.append({key: value.detach().clone() for key, value in client.state_dict().items()
-                           if key.startswith(shared)})
+            states.append(state_to_numpy(split_state(client, shared)[0]))
             sizes.append(len(part))
             losses.append(stats.loss)
             precision = stats.precision
-        global_state.update(fedavg_shared(states, sizes))
-        global_model.load_state_dict(global_state)
+        load_partial_state(global_model, weighted_average(states, sizes))
         print(json.dumps({"round": server_round, "train_loss": round(float(np.mean(losses)), 4), "lr": lr,
                           "precision": precision, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         last = server_round == args.rounds
