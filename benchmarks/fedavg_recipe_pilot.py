@@ -4,9 +4,10 @@ FedBYOL as `strategy: fedssl` runs it (the server's ``weighted_average`` of the 
 predictor, BatchNorm statistics included, weighted by partition size; the app's per-round learning rate; every
 client keeps its own target branch, a copy of the global online branch at its first round), but without Flower:
 K client models in this process, trained one after the other with the clients' own loop (``train_ssl``). No
-messages, no subprocesses, no per-round evaluation unless asked, so a pilot costs its training time and little more. The data are drawn as the app draws them in spirit,
-not bit for bit (a class-stratified subset, a Dirichlet split), so a pilot's figures are for choosing a recipe; the
-comparison itself runs through `flwr run` (benchmarks/compare_fedema_cpu.py).
+messages, no subprocesses, no per-round evaluation unless asked, so a pilot costs its training time and little
+more. The data are drawn as the app draws them in spirit, not bit for bit (a class-stratified subset, a Dirichlet
+split), so a pilot's figures are for choosing a recipe; the comparison itself runs through `flwr run`
+(benchmarks/compare_fedema_cpu.py).
 
 Scored with the project's protocol (``evaluate_backbone``: standardised backbone features, kNN and a 100-epoch
 linear probe) on 5 000 labelled train images and all test images, before training (the random-init reference
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
