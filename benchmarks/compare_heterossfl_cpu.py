@@ -146,7 +146,7 @@ def write_tables(results: dict, out: Path) -> None:
              f"{base['model']['width']}, {d['classes_per_client']} CIFAR-10 classes each, "
              f"{int(d['max_train'] - d['public_size'])} client images, RAD of {int(d['public_size'])} images; "
              f"{base['method']['name']}; mu {base['strategy']['options']['mu']}). Scores: linear probe / kNN of each client's own encoder on "
-             f"{base['eval']['max_train']} labelled train and {base['eval']['max_test']} dev-test images (CIFAR-10 "
+             f"{base['eval']['max_train']} labelled train and {base['eval']['max_test'] or 'all'} dev-test images (CIFAR-10 "
              "dev copy, JPEG-derived: relative comparison only). Client rows: mean over that architecture's "
              f"clients, then mean ± std over seeds {', '.join(map(str, seeds))}.", "",
              "| architecture | row | linear probe | kNN | min over clients (linear probe) |", "|---|---|---|---|---|"]
@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hetero", action="append", default=None, metavar="OPTIONS",
                     help="a Hetero-SSFL variant: strategy options over the config's, 'name=value,...' ('' = the "
                          f"config as it is); repeatable (default: {' and '.join(repr(v) for v in HETERO_VARIANTS)})")
-    ap.add_argument("--results", default=None, help="add the runs to this earlier results JSON (same config)")
+    ap.add_argument("--results", default=None,
+                    help="add the runs to this earlier results JSON (same config); its (variant, seed) pairs are kept, "
+                         "not run again")
     ap.add_argument("--out", default=str(RESULTS / "heterossfl_cpu_compare"))
     args = ap.parse_args(argv)
     base = yaml.safe_load(CONFIG.read_text())
@@ -236,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                                "pilot": args.pilot, "notes": args.note, "runs": []}
     if args.results:  # continue an earlier results file: keep its runs, commands and notes
         earlier = json.loads(Path(args.results).read_text())
+        if earlier["config"] != base or earlier["rounds"] != results["rounds"]:
+            ap.error(f"--results {args.results}: measured with another config or number of rounds than "
+                     f"{CONFIG.relative_to(REPO)} now holds; start a new results file (--out)")
         results["runs"] = earlier["runs"]
         results["command"] = earlier["command"] + "; then " + command + " --results <the first results JSON>"
         results["notes"] = earlier.get("notes", []) + args.note
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant, raw in configs.items():
             if args.variants and variant not in args.variants:
                 continue
+            if any(r["variant"] == variant and r["seed"] == seed for r in results["runs"]):
+                continue  # measured by the earlier invocation (--results): keep it
             with tempfile.TemporaryDirectory() as keep:
                 res = run_experiment(raw, keep_dir=Path(keep))
                 s = res["summary"]

@@ -1,6 +1,7 @@
 """How fast one SSL recipe learns under FedAvg at CPU scale, in one process: a recipe pilot before a comparison.
 
-FedBYOL as `strategy: fedssl` runs it (the server's ``weighted_average`` of the online backbone, projector and
+FedBYOL (or FedMoCoV3, any method and encoder of the registries: ``--method``, ``--arch``) as `strategy: fedssl`
+runs it (the server's ``weighted_average`` of the method's shared state: the online backbone, projector and
 predictor, BatchNorm statistics included, weighted by partition size; the app's per-round learning rate; every
 client keeps its own target branch, a copy of the global online branch at its first round), but without Flower:
 K client models in this process, trained one after the other with the clients' own loop (``train_ssl``). No
@@ -15,6 +16,10 @@ of this very model) and after the last round; kNN alone every ``--every`` rounds
 
   python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --clients 3 --rounds 8 --epochs 5 \\
       --train '{"batch_size": 32, "lr": 0.001, "optimizer": "adam"}' --lr-schedule constant
+  python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --arch vit_tiny --arch-options '{"depth": 6}' \
+      --method mocov3 --options '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512}' \
+      --clients 4 --alpha 1000 --rounds 24 --epochs 1 --augment '{"crop_scale": [0.2, 1.0]}' \
+      --train '{"batch_size": 64, "lr": 0.001, "optimizer": "adamw", "weight_decay": 0.05}' --lr-schedule constant
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay")
     ap.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine")
     ap.add_argument("--augment", default="{}", help="the config's augment section (JSON)")
+    ap.add_argument("--arch", default="resnet18", help="encoder (the registry's name, e.g. vit_tiny)")
+    ap.add_argument("--arch-options", default="{}",
+                    help='the encoder\'s own options (JSON), e.g. \'{"depth": 6}\' for a 6-block vit_tiny')
     ap.add_argument("--width", type=float, default=0.25)
     ap.add_argument("--images", type=int, default=4000)
     ap.add_argument("--clients", type=int, default=3)
@@ -68,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     bank = np.random.default_rng(args.seed + 5).permutation(len(x_train))[:5000]
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     train = json.loads(args.train)
-    raw = {"rounds": args.rounds, "model": {"arch": "resnet18", "width": args.width},
+    raw = {"rounds": args.rounds, "model": {"arch": args.arch, "width": args.width},
            "method": {"name": args.method, "options": json.loads(args.options)},
            "train": {"lr": train["lr"], "lr_schedule": args.lr_schedule}}  # cfg.round_lr: the app's schedule
     if json.loads(args.augment):
         raw["augment"] = json.loads(args.augment)
     cfg = ExperimentConfig.from_dict(raw)
-    global_model = build_ssl_model(cfg, seed=args.seed)
+    global_model = build_ssl_model(cfg, seed=args.seed, **json.loads(args.arch_options))
     augment = build_augment(cfg, int(x_train.shape[1]))
     shared = global_model.shared_prefixes()
     clients = [copy.deepcopy(global_model) for _ in parts]  # each one's target starts as the global online branch
