@@ -6,8 +6,8 @@ Rows per architecture (ResNet-18 and ResNet-34 clients of `configs/heterossfl/cp
 - local SSL: `strategy: local`, the same clients, architectures, data, initial weights and local training, no
   collaboration;
 - Hetero-SSFL: the config as it is, and a variant with the exact per-step alignment on RAD minibatches;
-- centralized: one `strategy: central` run per architecture on the clients' pooled data, when that strategy exists
-  on this branch (else the row says it is pending).
+- centralized: one `strategy: central` run per architecture on the clients' pooled data (the same method, recipe
+  and number of passes over every image, one trainer).
 Each federated run is a real `flwr run .` simulation (seeds from --seeds); the client rows are the mean (and
 minimum) over that architecture's clients. Writes benchmarks/results/heterossfl_cpu_compare.{json,md}, updated
 after every run. With --semi-supervised 0.01,0.1 every saved client encoder is also fine-tuned on those label
@@ -170,7 +170,7 @@ def write_tables(results: dict, out: Path) -> None:
                          f"{mean_std([100 * r['summary_scores']['linear_probe_acc'] for r in central])} | "
                          f"{mean_std([100 * r['summary_scores']['knn_acc'] for r in central])} | - |")
         else:
-            lines.append(f"| {arch} | centralized | pending: `strategy: central` is not on this branch | - | - |")
+            lines.append(f"| {arch} | centralized (strategy central) | not run (`--variants central-{arch}`) | - | - |")
     lines += ["", "Per run:", "", "| variant | seed | per-client linear probe | per-client kNN | up MiB | down MiB | "
               "eval MiB up | run s |", "|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
