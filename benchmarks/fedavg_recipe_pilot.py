@@ -16,9 +16,9 @@ of this very model) and after the last round; kNN alone every ``--every`` rounds
 
   python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --clients 3 --rounds 8 --epochs 5 \\
       --train '{"batch_size": 32, "lr": 0.001, "optimizer": "adam"}' --lr-schedule constant
-  python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --arch vit_tiny --arch-options '{"depth": 6}' \
-      --method mocov3 --options '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512}' \
-      --clients 4 --alpha 1000 --rounds 24 --epochs 1 --augment '{"crop_scale": [0.2, 1.0]}' \
+  python benchmarks/fedavg_recipe_pilot.py --data /path/cifar10.npz --arch vit_tiny --arch-options '{"depth": 6}' \\
+      --method mocov3 --options '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512}' \\
+      --clients 4 --alpha 1000 --rounds 24 --epochs 1 --augment '{"crop_scale": [0.2, 1.0]}' \\
       --train '{"batch_size": 64, "lr": 0.001, "optimizer": "adamw", "weight_decay": 0.05}' --lr-schedule constant
 """
 
