@@ -88,7 +88,8 @@ def resource_lines(runs: list[dict], variants: list[str]) -> list[str]:
 
 def describe(raw: dict) -> str:
     s = raw["strategy"]
-    return f"{raw['rounds']} rounds x {raw['train']['local_epochs']} local epoch, strategy {s['name']}"
+    epochs = raw["train"]["local_epochs"]
+    return f"{raw['rounds']} rounds x {epochs} local epoch{'s' if epochs != 1 else ''}, strategy {s['name']}"
 
 
 def write_tables(runs: list[dict], configs: dict, out: Path, command: str) -> None:
@@ -100,10 +101,12 @@ def write_tables(runs: list[dict], configs: dict, out: Path, command: str) -> No
     lines = [f"# Layer-wise FedSSL vs FedMoCoV3 at CPU scale ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Command: `{command}`. Configs: `configs/lwfedssl/cpu-compare.yaml` (the layer-wise rows, "
              "`strategy.name` changed) and `cpu-compare-fedmocov3.yaml` (FedMoCoV3 and the centralized row). Scale: "
-             f"{m['arch']} width {m['width']}, MoCo v3, {base['federation']['num_clients']} clients ({d['partition']}) "
+             f"{m['arch']} width {m['width']} ({m.get('options', {}).get('depth', 12)} blocks), MoCo v3, "
+             f"{base['federation']['num_clients']} clients ({d['partition']}) "
              f"over {d['max_train']} CIFAR-10 training images with {public} held by the server as auxiliary "
              f"data, {base['strategy']['options'].get('stages')} stages, {base['rounds']} rounds of "
-             f"{t['local_epochs']} local epoch, batch {t['batch_size']}, {t['optimizer']} lr {t['lr']}. Linear probe / "
+             f"{t['local_epochs']} local epoch(s), batch {t['batch_size']}, {t['optimizer']} lr {t['lr']} "
+             f"({t['lr_schedule']}), crops {base['augment']['crop_scale']}. Linear probe / "
              f"kNN (%) on {base['eval']['max_train']} labelled train and {base['eval']['max_test'] or 'all'} dev-test images "
              "(CIFAR-10 dev copy, JPEG-derived: relative comparison only); mean ± std over seeds.", ""]
     lines += comparison_lines(runs, list(configs), {v: describe(raw) for v, raw in configs.items()})

@@ -70,6 +70,9 @@ class ModelConfig:
     # Draw each client's architecture uniformly at random from this list, seeded by ``seed`` (Hetero-SSFL's
     # "ResNet-18 and ResNet-34 chosen at random per client"); only when ``client_archs`` is empty.
     client_arch_pool: list = field(default_factory=list)
+    # The architecture's own options for ``arch`` (the registry's ARCH_OPTIONS): ``{depth: 6}`` builds a
+    # 6-block vit_tiny, e.g. an end-to-end baseline as deep as a 6-stage layer-wise run. Empty: the defaults.
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -254,6 +257,14 @@ class ExperimentConfig:
             _require(d.synthetic_classes >= 2, "data.synthetic_classes", "must be >= 2", d.synthetic_classes)
 
         _require(self.model.width > 0, "model.width", "must be > 0", self.model.width)
+        from ssl_models.networks import ARCH_OPTIONS  # here, not at the top: the networks never need the config
+        valid = ARCH_OPTIONS.get(self.model.arch, ())
+        unknown = sorted(set(self.model.options) - set(valid))
+        _require(not unknown, "model.options", f"{self.model.arch!r} takes {list(valid)}, not {unknown}",
+                 self.model.options)
+        depth = self.model.options.get("depth", 1)
+        _require(isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1, "model.options.depth",
+                 "must be a positive integer", depth)
         archs = self.model.client_archs
         _require(all(isinstance(a, str) and a for a in archs), "model.client_archs",
                  "must be a list of architecture names", archs)

@@ -30,11 +30,13 @@ def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | 
     """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
 
     The backbone normalises its input when the config says so (``augment.normalize``). ``arch_options`` go to
-    ``build_backbone`` (``depth=s`` builds a growable ViT with s blocks: the layer-wise strategies' sub-models)."""
+    ``build_backbone`` over the config's ``model.options`` (those apply to ``model.arch`` only; ``depth=s``
+    builds a growable ViT with s blocks: the layer-wise strategies' sub-models)."""
     if seed is not None:
         torch.manual_seed(seed)
-    backbone, feature_dim = build_backbone(arch or cfg.model.arch, cfg.model.width,
-                                           cfg.augment.input_normalization(), **arch_options)
+    arch = arch or cfg.model.arch
+    options = {**(cfg.model.options if arch == cfg.model.arch else {}), **arch_options}
+    backbone, feature_dim = build_backbone(arch, cfg.model.width, cfg.augment.input_normalization(), **options)
     return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
 
 

@@ -134,6 +134,12 @@ class LayerwiseFedSSL(FedSSL):
         if cfg.rounds < stages:
             raise ValueError(f"rounds: {cfg.rounds} rounds cannot hold strategy.options.stages={stages} stages "
                              "(every stage needs at least one round)")
+        depth = cfg.model.options.get("depth")
+        if depth is not None and depth != stages:
+            # The grown model has one block per stage: a different model depth would be silently ignored.
+            raise ValueError(f"model.options.depth={depth} disagrees with strategy.options.stages={stages}: a "
+                             f"layer-wise run ends with one block per stage (drop model.options.depth or set it "
+                             f"to {stages})")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -35,8 +35,11 @@ def test_layerwise_comparison_rows_validate_and_differ_only_in_strategy(tmp_path
         path.write_text(yaml.safe_dump(raw))
         cfg, _ = load_experiment({"config": str(path)})
         assert cfg.strategy.name == raw["strategy"]["name"]
-        if raw["strategy"]["name"] not in ("fedssl", "central"):  # the layer-wise rows share the stage schedule
-            assert cfg.strategy.options["stages"] == 12 and cfg.rounds == 24
+        # every row ends with the same encoder: the layer-wise rows grow one block per stage up to the depth
+        # FedMoCoV3 and the centralized row train from round 1
+        assert cfg.model.options["depth"] == 6 and cfg.rounds == 12
+        if raw["strategy"]["name"] not in ("fedssl", "central"):
+            assert cfg.strategy.options["stages"] == 6
 
 
 def fake_result(raw: dict) -> dict:

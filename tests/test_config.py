@@ -116,3 +116,36 @@ def test_shipped_configs_validate(path):
     method_options(cfg)
     validate_component_options(cfg.strategy.options, get_strategy_class(cfg.strategy.name).default_options(),
                                "strategy.options")
+
+
+@pytest.mark.parametrize("model, key", [
+    ({"arch": "resnet18", "options": {"depth": 6}}, "model.options"),  # ResNets take no options
+    ({"arch": "vit_tiny", "options": {"heads": 6}}, "model.options"),
+    ({"arch": "vit_tiny", "options": {"depth": 0}}, "model.options.depth"),
+    ({"arch": "vit_tiny", "options": {"depth": 2.5}}, "model.options.depth"),
+])
+def test_model_options_are_checked_against_the_architecture(model, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):
+        ExperimentConfig.from_dict({"model": model})
+
+
+def test_model_options_shape_every_model_of_the_config_arch():
+    from ssl_models.factory import build_ssl_model
+    cfg = ExperimentConfig.from_dict({"model": {"arch": "vit_tiny", "width": 0.125, "options": {"depth": 3}},
+                                      "method": {"name": "mocov3"}})
+    assert len(build_ssl_model(cfg, seed=0).backbone.blocks) == 3
+    assert len(build_ssl_model(cfg, seed=0, depth=2).backbone.blocks) == 2  # an explicit option wins
+    # the options belong to model.arch: another architecture of the same config is built without them
+    assert not hasattr(build_ssl_model(cfg, seed=0, arch="resnet18").backbone, "blocks")
+
+
+def test_layerwise_run_refuses_a_model_depth_other_than_its_stages(tmp_path):
+    path = tmp_path / "lw.yaml"
+    path.write_text("rounds: 4\nmodel: {arch: vit_tiny, width: 0.125, options: {depth: 3}}\n"
+                    "method: {name: mocov3}\nstrategy: {name: fedmoco_lw, options: {stages: 4}}\n"
+                    "data: {dataset: synthetic}\n")
+    with pytest.raises(ConfigError, match=r"model.options.depth=3 disagrees with strategy.options.stages=4"):
+        load_experiment({"config": str(path)})
+    path.write_text(path.read_text().replace("depth: 3", "depth: 4"))
+    cfg, _ = load_experiment({"config": str(path)})
+    assert cfg.model.options == {"depth": 4}
