@@ -59,6 +59,52 @@ def matmul_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
+# A CIFAR ResNet-18's 3x3 convolutions at width 1: (channels, feature-map side, layers of that shape); each
+# stage's first layer (stride 2 or a channel change) is counted as one of its four.
+RESNET18_CONVS = ((64, 32, 4), (128, 16, 4), (256, 8, 4), (512, 4, 4))
+
+
+def conv_gflops(dtype: torch.dtype, batch: int, channels: int, side: int, repeats: int = 4) -> dict[str, float]:
+    """GFLOP/s of one 3x3 convolution (stride 1, channels-last, oneDNN) forward and forward + backward (input
+    and weight gradients), FLOPs counted as the direct convolution's 2 N C_in C_out 9 H W per pass. A fp32
+    kernel that does fewer operations (Winograd-style) shows up as a rate above the fp32 matrix-product limit."""
+    x = torch.randn(batch, channels, side, side).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(channels, channels, 3, 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    flops = 2 * batch * channels * channels * 9 * side * side
+    out = {}
+    for mode in ("forward", "forward+backward"):
+        xg, wg = x.clone().requires_grad_(mode != "forward"), w.clone().requires_grad_(mode != "forward")
+
+        def run():
+            y = torch.nn.functional.conv2d(xg, wg, padding=1)
+            if mode != "forward":
+                y.backward(torch.ones_like(y))
+        run()  # warm-up: oneDNN builds its kernels on the first call
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        passes = 1 if mode == "forward" else 3
+        out[mode] = flops * passes * repeats / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def conv_limits(batch: int) -> dict:
+    """Every ResNet-18 3x3 shape in fp32 and bf16, and the convolutions-only bf16 / fp32 time ratio of a whole
+    step (forward + backward, each shape weighted by its number of layers): what a fast path whose time is
+    mostly convolutions can reach."""
+    shapes, seconds = [], {"float32": 0.0, "bfloat16": 0.0}
+    for channels, side, layers in RESNET18_CONVS:
+        row = {"channels": channels, "side": side, "layers": layers}
+        for dt in (torch.float32, torch.bfloat16):
+            name = str(dt).split(".")[-1]
+            row[name] = conv_gflops(dt, batch, channels, side)
+            flops = 3 * 2 * batch * channels * channels * 9 * side * side
+            seconds[name] += layers * flops / (row[name]["forward+backward"] * 1e9)
+        shapes.append(row)
+    return {"batch": batch, "shapes": shapes, "step_convs_s": seconds,
+            "step_convs_ratio": seconds["float32"] / seconds["bfloat16"]}
+
+
 def build(method: str) -> torch.nn.Module:
     torch.manual_seed(0)
     backbone, dim = build_backbone("resnet18", 1.0)
@@ -148,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     limits = {str(dt).split(".")[-1]: {n: matmul_gflops(dt, n) for n in (1024, 2048, 4096)}
               for dt in (torch.float32, torch.bfloat16)}
+    convs = conv_limits(2 * args.batch)  # both views go through the encoder as one batch
     runs = [profile_step(args.method, args.batch, args.steps, fast) for fast in (False, True)]
     command = (f"python benchmarks/profile_fast_path.py --method {args.method} --batch {args.batch} "
                f"--steps {args.steps} --threads {args.threads}")
     record = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or
               platform.machine(), "native_bf16": cpu_has_fast_bf16(), "torch": torch.__version__,
-              "threads": args.threads, "matmul_gflops": limits, "runs": runs}
+              "threads": args.threads, "matmul_gflops": limits, "conv_gflops": convs, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
@@ -168,6 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     for dt, by_n in limits.items():
         lines.append(f"| {dt} | " + " | ".join(f"{by_n[n]:.0f}" for n in (1024, 2048, 4096)) + " | |")
     lines += ["", f"bf16 / fp32 best: {best['bfloat16'] / best['float32']:.2f}x.", "",
+              "## The convolutions' limits", "",
+              f"One 3x3 convolution of each ResNet-18 shape at batch {convs['batch']} (both views), channels-last, "
+              "GFLOP/s counted as the direct convolution (a fp32 rate above the fp32 matrix-product limit means "
+              "the kernel does fewer operations than that count):", "",
+              "| channels x side (layers) | fp32 fwd | bf16 fwd | fp32 fwd+bwd | bf16 fwd+bwd | bf16 / fp32 fwd+bwd |",
+              "|---|---|---|---|---|---|"]
+    for r in convs["shapes"]:
+        f32, b16 = r["float32"], r["bfloat16"]
+        lines.append(f"| {r['channels']} x {r['side']} ({r['layers']}) | {f32['forward']:.0f} | {b16['forward']:.0f} | "
+                     f"{f32['forward+backward']:.0f} | {b16['forward+backward']:.0f} | "
+                     f"{b16['forward+backward'] / f32['forward+backward']:.2f}x |")
+    lines += ["", f"The step's 3x3 convolutions alone (forward + backward, weighted by layers): fp32 "
+              f"{convs['step_convs_s']['float32']:.3f} s, bf16 {convs['step_convs_s']['bfloat16']:.3f} s: "
+              f"**{convs['step_convs_ratio']:.2f}x**, the ceiling of a fast path whose time is convolutions.", "",
               "## The step", "",
               "| | precision | s / step | GFLOP / step | achieved GFLOP/s | share of the dtype's matmul limit |",
               "|---|---|---|---|---|---|"]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ssl_models.data.augment import SSLAugment
+from ssl_models.optimizers import LocalOptimizer, build_local_optimizer
 
 
 @dataclass
@@ -93,8 +94,13 @@ def fast_path_for(device: torch.device, enabled: bool) -> FastPath:
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+                   weight_decay: float = 0.0, lean: bool = True) -> LocalOptimizer | torch.optim.Optimizer:
+    """``sgd``, ``adam`` or ``adamw``: the project's own (``ssl_models.optimizers``: the same arithmetic, without
+    torch.optim's import of torch._dynamo in every new ClientApp process) unless ``lean`` is False (a GradScaler's
+    step needs a torch.optim optimiser)."""
     params = list(params)
+    if lean:
+        return build_local_optimizer(params, name, lr, momentum, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
@@ -104,7 +110,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, m
     raise ValueError(f"optimizer: unknown name {name!r} (valid: sgd, adam, adamw)")
 
 
-def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+def optimizer_step(loss: torch.Tensor, optimizer: LocalOptimizer | torch.optim.Optimizer,
                    scaler: torch.amp.GradScaler | None, what: str) -> float:
     """Backward and one optimizer step (through the gradient scaler when fp16 needs one); returns the loss
     value. A loss that is not finite stops training with ``what`` named *before* the step, so the weights (and
@@ -207,7 +213,7 @@ def train_ssl(
     if fp.channels_last:
         method.to(memory_format=torch.channels_last)
     method.train()
-    opt = make_optimizer(method.trainable_parameters(), optimizer, lr, momentum, weight_decay)
+    opt = make_optimizer(method.trainable_parameters(), optimizer, lr, momentum, weight_decay, lean=not fp.grad_scaler)
     scaler = torch.amp.GradScaler("cuda") if fp.grad_scaler else None
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

@@ -101,8 +101,12 @@ def test_drop_last_and_local_epochs_from_the_config_reach_the_client_loop(drop_l
 def test_make_optimizer_builds_adamw_with_decoupled_weight_decay() -> None:
     p = nn.Parameter(torch.ones(3))
     opt = make_optimizer([p], "adamw", lr=0.1, weight_decay=0.25)
+    assert opt.param_groups[0]["decoupled"] and opt.param_groups[0]["weight_decay"] == 0.25
+    assert not make_optimizer([p], "adam", lr=0.1).param_groups[0]["decoupled"]
+    # where a GradScaler drives the step: torch.optim's own
+    opt = make_optimizer([p], "adamw", lr=0.1, weight_decay=0.25, lean=False)
     assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["weight_decay"] == 0.25
-    assert type(make_optimizer([p], "adam", lr=0.1)) is torch.optim.Adam
+    assert type(make_optimizer([p], "adam", lr=0.1, lean=False)) is torch.optim.Adam
     with pytest.raises(ValueError, match=r"optimizer: unknown name 'lamb' \(valid: sgd, adam, adamw\)"):
         make_optimizer([p], "lamb", lr=0.1)
 
