@@ -438,7 +438,7 @@ def test_client_round_trains_and_uploads_only_its_part_and_reports_resources():
                         plan={**plan, "stage": 3, "accounting": False})
 
 
-def test_fedmocov3_is_fedssl_with_mocov3_on_the_full_vit():
+def test_fedmocov3_is_fedssl_with_mocov3_on_the_whole_vit_of_its_config():
     cfg = load_experiment({"config": "configs/lwfedssl/cpu-compare-fedmocov3.yaml", "data.dataset": "synthetic",
                            "data.synthetic_train": 200, "data.max_train": 0, "train.max_steps_per_epoch": 1,
                            "model.width": 0.125, "train.batch_size": 8})[0]
@@ -446,7 +446,10 @@ def test_fedmocov3_is_fedssl_with_mocov3_on_the_full_vit():
     method = build_ssl_model(cfg, seed=0)
     shared = state_to_numpy(split_state(method, method.shared_prefixes())[0])
     result = train_local_ssl(cfg, client_images(cfg, 0), shared, None, server_round=1, partition_id=0, lr=1e-3)
-    assert set(result.shared_state) == set(shared) and len(method.backbone.blocks) == 12
+    # the whole encoder both ways, as deep as the layer-wise rows end (model.options.depth = their 6 stages)
+    assert cfg.model.options == {"depth": 6} and len(method.backbone.blocks) == 6
+    assert set(result.shared_state) == set(shared)
+    assert any(k.startswith("backbone.blocks.5.") for k in shared) and any(k.startswith("predictor.") for k in shared)
 
 
 # ---------------------------------------------------------------------- evaluation of a grown encoder
