@@ -65,8 +65,8 @@ RESNET18_CONVS = ((64, 32, 4), (128, 16, 4), (256, 8, 4), (512, 4, 4))
 
 
 def conv_gflops(dtype: torch.dtype, batch: int, channels: int, side: int, repeats: int = 4) -> dict[str, float]:
-    """GFLOP/s of one 3x3 convolution (stride 1, channels-last, oneDNN) forward and forward + backward (input
-    and weight gradients), FLOPs counted as the direct convolution's 2 N C_in C_out 9 H W per pass. A fp32
+    """GFLOP/s (and seconds, ``<mode>_s``) of one 3x3 convolution (stride 1, channels-last, oneDNN) forward and
+    forward + backward (input and weight gradients), FLOPs counted as the direct convolution's 2 N C_in C_out 9 H W per pass. A fp32
     kernel that does fewer operations (Winograd-style) shows up as a rate above the fp32 matrix-product limit."""
     x = torch.randn(batch, channels, side, side).to(dtype).contiguous(memory_format=torch.channels_last)
     w = torch.randn(channels, channels, 3, 3).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -83,8 +83,9 @@ def conv_gflops(dtype: torch.dtype, batch: int, channels: int, side: int, repeat
         t0 = time.perf_counter()
         for _ in range(repeats):
             run()
-        passes = 1 if mode == "forward" else 3
-        out[mode] = flops * passes * repeats / (time.perf_counter() - t0) / 1e9
+        seconds = (time.perf_counter() - t0) / repeats
+        out[f"{mode}_s"] = seconds
+        out[mode] = flops * (1 if mode == "forward" else 3) / seconds / 1e9
     return out
 
 
@@ -98,8 +99,7 @@ def conv_limits(batch: int) -> dict:
         for dt in (torch.float32, torch.bfloat16):
             name = str(dt).split(".")[-1]
             row[name] = conv_gflops(dt, batch, channels, side)
-            flops = 3 * 2 * batch * channels * channels * 9 * side * side
-            seconds[name] += layers * flops / (row[name]["forward+backward"] * 1e9)
+            seconds[name] += layers * row[name]["forward+backward_s"]
         shapes.append(row)
     return {"batch": batch, "shapes": shapes, "step_convs_s": seconds,
             "step_convs_ratio": seconds["float32"] / seconds["bfloat16"]}

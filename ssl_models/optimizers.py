@@ -69,18 +69,14 @@ class SGD(LocalOptimizer):
         if g["weight_decay"]:
             grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
         if g["momentum"]:
-            buffers = []
+            kept = [(self.state[p]["momentum_buffer"], d) for p, d in zip(params, grads) if p in self.state]
+            if kept:
+                buffers, updates = map(list, zip(*kept))
+                torch._foreach_mul_(buffers, g["momentum"])
+                torch._foreach_add_(buffers, updates)
             for p, d in zip(params, grads):
-                state = self.state.setdefault(p, {})
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.clone(d).detach()
-                    buffers.append(None)
-                else:
-                    buffers.append(state["momentum_buffer"])
-            old = [b for b in buffers if b is not None]
-            if old:
-                torch._foreach_mul_(old, g["momentum"])
-                torch._foreach_add_(old, [d for b, d in zip(buffers, grads) if b is not None])
+                if p not in self.state:  # a parameter's first step: its buffer is the update itself
+                    self.state[p] = {"momentum_buffer": torch.clone(d).detach()}
             grads = [self.state[p]["momentum_buffer"] for p in params]
         torch._foreach_add_(params, grads, alpha=-g["lr"])
 
