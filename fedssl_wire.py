@@ -35,6 +35,7 @@ TRAIN_MESSAGE_TYPE = "train"  # a local round that uploads weights
 SIMILARITY_MESSAGE_TYPE = "train.similarity"  # FLESD: a local round that uploads a similarity matrix
 KERNEL_MESSAGE_TYPE = "train.kernel"  # Hetero-SSFL: K_bar down (under "arrays"), the client's RAD kernel up
 ENCODER_QUERY_MESSAGE_TYPE = "query.encoder"  # a client's own encoder, up, for the server's evaluation only
+KERNEL_QUERY_MESSAGE_TYPE = "query.kernel"  # Hetero-SSFL: a client's K_k(0) of its initial model, up, before round 1
 LAYERWISE_MESSAGE_TYPE = "train.layerwise"  # LW-FedSSL & co.: a stage's sub-model (part) down, the trained part up
 
 ARRAYS_RECORD = "arrays"  # model weights, both ways

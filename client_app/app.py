@@ -21,7 +21,8 @@ from ssl_models.training import TrainStats
 from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
                          from_array_record, to_array_record)
 
-from .tasks import client_encoder_state, kernel_round, layerwise_round, local_images, similarity_round, train_local_ssl
+from .tasks import (client_encoder_state, initial_kernel, kernel_round, layerwise_round, local_images, similarity_round,
+                    train_local_ssl)
 
 APP_IMPORTED_AT = time.time()
 app = ClientApp()
@@ -211,6 +212,20 @@ def train_kernel(msg: Message, context: Context) -> Message:
     reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics)})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
+
+
+@app.query("kernel")
+def query_kernel(msg: Message, context: Context) -> Message:
+    """Hetero-SSFL before round 1: the kernel of this client's current (initial) model on the RAD, from which the
+    server forms K_bar(0) (Algorithm 1). Nothing trains."""
+    pid, _ = _partition(context)
+    config = msg.content["config"]
+    cfg = ExperimentConfig.from_json(str(config["experiment"]))
+    payload, norm = initial_kernel(cfg, public_images(cfg), load_client_state(msg, context, pid), partition_id=pid,
+                                   rad_digest=str(config["rad-digest"]), options=cfg.strategy.options)
+    return Message(RecordDict({KERNEL_RECORD: to_array_record(payload),
+                               "metrics": MetricRecord({"partition-id": pid, "align.kernel_norm": norm})}),
+                   reply_to=msg)
 
 
 @app.query("encoder")

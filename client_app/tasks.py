@@ -33,9 +33,8 @@ from ssl_models.factory import build_augment, build_ssl_model, load_partial_stat
 from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
 from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
-from ssl_models.federated.cka import feature_alignment_loss
-from ssl_models.federated.kernel_alignment import (KernelAligner, client_kernel, decode_kernel, encode_kernel,
-                                                   kernel_cka, normalize_kernel, rad_representations)
+from ssl_models.federated.kernel_alignment import (KernelAligner, centred_kernel_norm, client_kernel, decode_kernel,
+                                                   encode_kernel, kernel_cka, normalize_kernel, rad_representations)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.accounting import (analytic_training_memory, process_peak_rss_bytes, reset_peak_rss,
                                   training_step_flops)
@@ -471,6 +470,41 @@ def check_public_set(public: np.ndarray, expected_digest: str, partition_id: int
             f"the server's to {expected_digest[:16]}; both must load the same data file and config")
 
 
+def _client_model(cfg: ExperimentConfig, partition_id: int, client_state: Mapping[str, np.ndarray] | None):
+    """The client's own model: its initial one, overlaid with its kept state (if any)."""
+    method = initial_client_model(cfg, partition_id)
+    own = _model_entries(client_state)
+    if own:
+        load_partial_state(method, own)
+    return method
+
+
+def _rad_kernel(method, rad: np.ndarray, options: Mapping[str, Any], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RAD representations, the client's raw kernel of them) with the strategy's options."""
+    features = rad_representations(method, rad, str(options["representation"]), device=device,
+                                   batch_size=int(options["rad_forward_batch"]), bn_mode=str(options["bn_mode"]))
+    return features, client_kernel(features, str(options["kernel"]), float(options["rbf_threshold"]))
+
+
+def _kernel_payload(kernel: torch.Tensor, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
+    """(the transport form of the normalised kernel, the raw kernel's ||H K H||_F)."""
+    norm = centred_kernel_norm(kernel)
+    k = normalize_kernel(kernel, str(options["kernel_normalization"]))
+    encoding = str(options["kernel_encoding"])
+    return encode_kernel(k, encoding, float(options["topk_fraction"]) if encoding == "topk" else None), norm
+
+
+def initial_kernel(cfg: ExperimentConfig, rad: np.ndarray, client_state: Mapping[str, np.ndarray] | None, *,
+                   partition_id: int, rad_digest: str, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
+    """Hetero-SSFL's K_k(0) (Algorithm 1 forms K_bar(0) from the initial models before round 1): the kernel of the
+    client's current model (its initial one when it has no state) on the RAD, in transport form, and its raw
+    ``||H K H||_F``. Nothing trains and nothing is kept."""
+    check_public_set(rad, rad_digest, partition_id, "RAD")
+    method = _client_model(cfg, partition_id, client_state)
+    _, kernel = _rad_kernel(method, rad, options, resolve_device(cfg.train.device))
+    return _kernel_payload(kernel, options)
+
+
 def kernel_round(
     cfg: ExperimentConfig,
     images: np.ndarray,
@@ -489,45 +523,40 @@ def kernel_round(
     kept between rounds) plus ``mu * (1 - CKA(K_k, K_bar))`` when the server sent a K_bar, then the kernel
     ``K_k = A_k A_k^T`` of its RAD representations in transport form.
 
-    ``target_payload`` is the server's K_bar (an ``encode_kernel`` payload) or empty (round 1: no kernel yet, the
-    round is local SSL only). ``options`` are the strategy options (``strategies/heterossfl.py``).
+    ``target_payload`` is the server's K_bar (an ``encode_kernel`` payload) or empty (no kernel yet: the round is
+    local SSL only). ``options`` are the strategy options (``strategies/heterossfl.py``). With a K_bar the client
+    reports its CKA to it on the whole RAD before and after local training (``cka_start``, ``cka_end``; also at
+    ``mu: 0``, the no-alignment reference), and always its raw kernel's ``||H K H||_F`` (``kernel_norm``).
     """
     check_public_set(rad, rad_digest, partition_id, "RAD")
     seed = round_seed(cfg, server_round, partition_id)
-    method = initial_client_model(cfg, partition_id)
-    own = _model_entries(client_state)
-    if own:
-        load_partial_state(method, own)
+    method = _client_model(cfg, partition_id, client_state)
     device = resolve_device(cfg.train.device)
     n = len(rad)
-    representation, kernel = str(options["representation"]), str(options["kernel"])
     aligner = None
     info: dict[str, Any] = {"aligned": False}
     target = None
     if target_payload:
         target = decode_kernel(target_payload, n)
+        _, start_kernel = _rad_kernel(method, rad, options, device)
+        info["cka_start"] = kernel_cka(start_kernel, target)
+        del start_kernel
         if float(options["mu"]) > 0:
             aligner = KernelAligner(
-                rad, target, mu=float(options["mu"]), representation=representation, kernel=kernel,
-                rbf_threshold=float(options["rbf_threshold"]), refresh=str(options["refresh"]),
-                refresh_steps=int(options["refresh_steps"]), rad_batch_size=int(options["rad_batch_size"]),
-                forward_batch_size=int(options["rad_forward_batch"]), device=device, seed=seed)
+                rad, target, mu=float(options["mu"]), representation=str(options["representation"]),
+                kernel=str(options["kernel"]), rbf_threshold=float(options["rbf_threshold"]),
+                refresh=str(options["refresh"]), refresh_steps=int(options["refresh_steps"]),
+                rad_batch_size=int(options["rad_batch_size"]), forward_batch_size=int(options["rad_forward_batch"]),
+                bn_mode=str(options["bn_mode"]), device=device, seed=seed)
     stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
                            loss_hook=aligner.loss if aligner else None,
                            epoch_hook=aligner.on_epoch_start if aligner else None, log=log)
-    features = rad_representations(method, rad, representation, device=device,
-                                   batch_size=int(options["rad_forward_batch"]))
-    k = normalize_kernel(client_kernel(features, kernel, float(options["rbf_threshold"])),
-                         str(options["kernel_normalization"]))
-    if aligner is not None and aligner.centered_target is not None:  # linear kernel: no new N x N temporaries
-        info["cka_end"] = 1.0 - float(feature_alignment_loss(features, aligner.centered_target))
-    elif target is not None:
+    _, k = _rad_kernel(method, rad, options, device)
+    if target is not None:
         info["cka_end"] = kernel_cka(k, target)
     if aligner is not None:
-        info.update(aligned=True, cka_start=aligner.stats.ckas[0] if aligner.stats.ckas else None,
-                    align_loss=aligner.stats.mean_value, refreshes=aligner.stats.refreshes)
-    encoding = str(options["kernel_encoding"])
-    payload = encode_kernel(k, encoding, float(options["topk_fraction"]) if encoding == "topk" else None)
+        info.update(aligned=True, align_loss=aligner.stats.mean_value, refreshes=aligner.stats.refreshes)
+    payload, info["kernel_norm"] = _kernel_payload(k, options)
     kept = state_to_numpy(method.cpu().state_dict())
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
     return KernelRoundResult(payload, kept, stats, info)

@@ -5,12 +5,17 @@ drawn from ``model.client_arch_pool``), and its own weights for the whole run, i
 is kernels on the Representation Alignment Dataset (RAD: the server-held split of ``data.public_size`` images,
 never part of a client's partition, rebuilt by every client from the config and checked by its SHA-256):
 
+- **before round 1** (``initial_kernels: query``, Algorithm 1's K_bar(0)): a ``query.kernel`` message asks every
+  connected client for the kernel of its initial model, so round 1 aligns too; ``initial_kernels: none`` skips it
+  (round 1 is then local SSL only);
 - **down**, with every training message: ``K_bar = sum_j w_j K_j`` over the latest kernel of every client that
   has uploaded one (Algorithm 1 averages all clients' kernels; under partial participation the server keeps each
   client's latest kernel on its disk and streams them from there, so its memory does not grow with the number
-  of clients). Round 1 has no kernel yet: its clients train with local SSL only and upload their first kernels.
+  of clients). With ``kernel_normalization: frobenius`` (the default) each client's centred kernel enters with
+  norm 1, so uniform weights weigh clients equally (the paper's w = 1/n);
 - **up**: the client's ``K_k = A_k A_k^T`` of its RAD representations after local training on
-  ``SSL loss + mu (1 - CKA(K_k, K_bar))`` (``client_app.tasks.kernel_round``).
+  ``SSL loss + mu (1 - CKA(K_k, K_bar))`` (``client_app.tasks.kernel_round``), and its raw ``||H K_k H||_F``
+  (``kernel_norm`` in metrics.jsonl).
 
 N_RAD^2 values each way per client and round, whatever the model size. To score the clients' personalised
 encoders the server asks for them with a separate ``query.encoder`` message at kNN-monitor rounds and after
@@ -35,7 +40,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ssl_models.data.splits import images_digest, public_images
-from ssl_models.federated.kernel_alignment import (KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
+from ssl_models.federated.kernel_alignment import (BN_MODES, KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
                                                    REFRESH_MODES, REPRESENTATIONS, average_kernels,
                                                    check_kernel_payload, encode_kernel)
 from ssl_models.federated.similarity import ENCODING_MODES, TOPK
@@ -43,11 +48,12 @@ from ssl_models.federated.similarity import ENCODING_MODES, TOPK
 from .fedssl import FedSSL, ModelToEvaluate
 from .nodes import send_and_receive
 from .options import check_choice, check_positive, check_unit
-from fedssl_wire import (ENCODER_QUERY_MESSAGE_TYPE, KERNEL_MESSAGE_TYPE, KERNEL_RECORD,
-                         DiskStateStore, from_array_record, record_bytes, to_array_record)
+from fedssl_wire import (CLIENT_STATE_RECORD, ENCODER_QUERY_MESSAGE_TYPE, KERNEL_MESSAGE_TYPE, KERNEL_QUERY_MESSAGE_TYPE,
+                         KERNEL_RECORD, DiskStateStore, from_array_record, record_bytes, to_array_record)
 
 META_ROUND = "meta.round"
 META_EXAMPLES = "meta.num_examples"
+INITIAL_KERNELS = ("query", "none")
 
 
 class StoredEncoders(Mapping):
@@ -87,12 +93,20 @@ class HeteroSSFL(FedSSL):
             "kernel_encoding": "dense-fp32",  # dense-fp32 | dense-fp16 | topk (FLESD's top-n% rows), both ways
             "topk_fraction": 0.1,
             "kernel_weights": "uniform",  # uniform | data_size (w_j proportional to client j's images)
-            # none: raw K = A A^T (the paper; a client with larger representations weighs more in K_bar) |
-            # frobenius: each client scales its kernel to ||H K H||_F = 1 before upload (CKA is scale-free)
-            "kernel_normalization": "none",
-            "refresh": "epoch",  # when A_k is recomputed: epoch (the paper) | steps | minibatch
-            "refresh_steps": 1,  # refresh: steps
+            # frobenius: each client scales its kernel to ||H K H||_F = 1 before upload, so uniform weights weigh
+            # clients equally (CKA is scale-free) | none: raw K = A A^T (larger representations weigh more)
+            "kernel_normalization": "frobenius",
+            # when A_k and the term are recomputed (ssl_models/federated/kernel_alignment.py): step (every
+            # refresh_steps steps on the whole RAD; 1 = Eq. 2 at the current weights) | minibatch (every step on
+            # rad_batch_size RAD images) | epoch (once per local epoch, the gradient held in between)
+            "refresh": "step",
+            "refresh_steps": 1,  # refresh: step
             "rad_batch_size": 256,  # refresh: minibatch
+            # BatchNorm in RAD forwards: train (each forward's batch statistics, as the SSL steps and FedHeNN's
+            # in-loop representations use; the running ones untouched) | eval (the running statistics, which the
+            # SSL steps move and the alignment gradient cannot reach)
+            "bn_mode": "train",
+            "initial_kernels": "query",  # query: K_bar(0) from the initial models (Algorithm 1) | none
             "rad_forward_batch": 256,  # RAD images per forward chunk (memory, not maths)
             "eval_query_batch": 10,  # clients asked for their encoder per message batch at evaluation rounds
         }
@@ -108,6 +122,8 @@ class HeteroSSFL(FedSSL):
         check_choice(options, "kernel_weights", KERNEL_WEIGHTS)
         check_choice(options, "kernel_normalization", KERNEL_NORMALIZATIONS)
         check_choice(options, "refresh", REFRESH_MODES)
+        check_choice(options, "bn_mode", BN_MODES)
+        check_choice(options, "initial_kernels", INITIAL_KERNELS)
         if not options["mu"] >= 0:
             raise ValueError(f"strategy.options.mu: must be >= 0 (got {options['mu']!r})")
         check_unit(options, "topk_fraction")
@@ -137,13 +153,17 @@ class HeteroSSFL(FedSSL):
         self.trained: dict[int, int] = {}  # pid -> rounds trained (successful replies)
         self.fetched: dict[int, str] = {}  # pid -> arch of the encoders held in self.encoders
         self.eval_bytes: dict[int, int] = {}
+        # Each client's image count (data_size kernel weights for K_bar(0), before any client has reported it).
+        self.num_examples = {pid: len(idx) for pid, idx in enumerate(split.client_idx)} if split is not None else {}
         log(INFO, "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s", self.rad_size,
             self.rad_digest[:16], [cfg.client_arch(i) for i in range(cfg.federation.num_clients)])
 
     def traffic(self, model_bytes: int) -> str:
         n = self.rad_size
-        return (f"no weights: up, the client's {n} x {n} RAD kernel ({self.options['kernel_encoding']}); down from round 2, "
-                "K_bar of the same size; each client's encoder travels up only for evaluation")
+        first = ("before round 1 each client's kernel of its initial model (K_bar(0))"
+                 if self.options["initial_kernels"] == "query" else "from round 2")
+        return (f"no weights: up, the client's {n} x {n} RAD kernel ({self.options['kernel_encoding']}); down, "
+                f"K_bar of the same size ({first}); each client's encoder travels up only for evaluation")
 
     def init_kernel_store(self, rad_size: int) -> None:
         """An empty store of the clients' kernels for a RAD of ``rad_size`` images (each client's latest kernel,
@@ -155,6 +175,7 @@ class HeteroSSFL(FedSSL):
         self.kbar_record = ArrayRecord()  # K_bar in transport form; empty before the first kernels
         self.kbar_clients: list[int] = []
         self._kbar_stats: dict[int, dict[str, Any]] = {}
+        self._initial: dict[str, Any] = {}  # the K_bar(0) query's figures, for round 1's record
 
     def store_kernel(self, pid: int, payload: Mapping[str, np.ndarray], server_round: int, num_examples: int) -> None:
         """Keep ``payload`` (an ``encode_kernel`` payload) as client ``pid``'s latest kernel, on disk."""
@@ -185,11 +206,72 @@ class HeteroSSFL(FedSSL):
         return self.kbar_record
 
     def configure_train(self, server_round, arrays, config, grid):
+        if server_round == 1 and not self.kernel_info and self.options["initial_kernels"] == "query":
+            self.query_initial_kernels(self.wait_for_clients(grid, server_round), grid)
         self._kbar_stats[server_round] = {"kbar_clients": len(self.kbar_clients),
                                           "kbar_bytes_per_client": record_bytes(self.kbar_record)}
         return super().configure_train(server_round, arrays, config, grid)
 
     # ------------------------------------------------------------------ kernels
+    def query_clients(self, grid: Grid, server_round: int, pids: list[int], message_type: str,
+                      group: str) -> Iterator[tuple[int | None, Message]]:
+        """Send ``message_type`` (a query: no training) to the clients ``pids``, ``eval_query_batch`` at a time, and
+        yield (partition id, reply) as replies arrive (id None for an error reply); a client that does not answer
+        in time yields (pid, None)."""
+        batch = int(self.options["eval_query_batch"])
+        for start in range(0, len(pids), batch):
+            chunk = [pid for pid in pids[start:start + batch] if pid in self.clients]
+            messages = []
+            for pid in chunk:
+                content = RecordDict({"config": ConfigRecord({"experiment": self.cfg.to_json(),
+                                                              "server-round": server_round,
+                                                              **self.client_config(server_round)})})
+                if self.server_store is not None:
+                    content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})
+                messages.append(Message(content, dst_node_id=self.clients[pid], message_type=message_type,
+                                        group_id=group))
+            answered = set()
+            for reply in send_and_receive(grid, messages, self.cfg.federation.round_timeout_s):
+                if reply.has_error():
+                    yield None, reply
+                    continue
+                pid = int(reply.content["metrics"]["partition-id"])
+                answered.add(pid)
+                yield pid, reply
+            for pid in chunk:
+                if pid not in answered:
+                    yield pid, None
+
+    def query_initial_kernels(self, pids: list[int], grid: Grid) -> None:
+        """K_bar(0) (Algorithm 1): every connected client's kernel of its initial model, before round 1 trains.
+        A client that fails here trains round 1 against the K_bar of the others (or with none at all)."""
+        t0 = time.perf_counter()
+        up, norms, failed = 0, {}, []
+        for pid, reply in self.query_clients(grid, 0, sorted(pids), KERNEL_QUERY_MESSAGE_TYPE, "initial-kernels"):
+            if reply is None or reply.has_error():
+                reason = reply.error.reason if reply is not None else "no reply"
+                if "public set mismatch" in reason:  # a client on another RAD would poison K_bar
+                    raise RuntimeError(f"initial kernels: {reason}")
+                failed.append({"id": pid, "reason": reason})
+                continue
+            reason = self.check_reply_payload(0, pid, reply)
+            if reason is not None:
+                failed.append({"id": pid, "reason": reason})
+                continue
+            up += record_bytes(reply.content[KERNEL_RECORD])
+            self.store_kernel(pid, from_array_record(reply.content[KERNEL_RECORD]), 0,
+                              max(1, self.num_examples.get(pid, 1)))
+            norms[str(pid)] = float(reply.content["metrics"]["align.kernel_norm"])
+        for f in failed:
+            log(WARNING, "initial kernels: client %s gave none (%s)", f["id"], f["reason"])
+        if self.kernel_info:
+            self.update_kbar()
+        self._initial = {"initial_kernel_clients": len(norms), "initial_kernel_bytes_up": up,
+                         "initial_kernel_norms": norms, "initial_kernel_s": time.perf_counter() - t0,
+                         **({"initial_kernel_failed": failed} if failed else {})}
+        log(INFO, "K_bar(0) from %d initial kernels (%.1f s); kernel norms ||HKH||_F %s", len(norms),
+            self._initial["initial_kernel_s"], {k: round(v, 3) for k, v in norms.items()})
+
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
         """Keep each client's new kernel on disk, then form the next K_bar over the latest kernel of every
         client. Returns None: there is no global model."""
@@ -255,6 +337,10 @@ class HeteroSSFL(FedSSL):
             ok = [r for r in replies if not r.has_error()]
             record.update(rad_size=self.rad_size, **self._kbar_stats.pop(server_round, {}),
                           kernel_bytes_up=sum(record_bytes(r.content[KERNEL_RECORD]) for r in ok))
+            if self._initial:  # round 1: the K_bar(0) query's kernels travelled up too
+                record.update(self._initial)
+                record["bytes_up"] += int(self._initial["initial_kernel_bytes_up"])
+                self._initial = {}
         return arrays, metrics
 
     def client_record(self, reply: Message) -> dict[str, Any]:
@@ -291,25 +377,16 @@ class HeteroSSFL(FedSSL):
                 self.encoders.save(pid, {k: v for k, v in state.items() if k.startswith("backbone.")})
                 self.fetched[pid] = self.cfg.client_arch(pid)
         else:
-            batch = int(self.options["eval_query_batch"])
-            for start in range(0, len(pids), batch):
-                chunk = [pid for pid in pids[start:start + batch] if pid in self.clients]
-                messages = [Message(RecordDict({"config": ConfigRecord({
-                    "experiment": self.cfg.to_json(), "server-round": server_round,
-                    **self.client_config(server_round)})}),
-                    dst_node_id=self.clients[pid], message_type=ENCODER_QUERY_MESSAGE_TYPE,
-                    group_id=f"eval-{server_round}") for pid in chunk]
-                answered = set()
-                for reply in send_and_receive(grid, messages, self.cfg.federation.round_timeout_s):
-                    if reply.has_error():
-                        failed.append({"node": reply.metadata.src_node_id, "reason": reply.error.reason})
-                        continue
-                    pid = int(reply.content["metrics"]["partition-id"])
+            for pid, reply in self.query_clients(grid, server_round, pids, ENCODER_QUERY_MESSAGE_TYPE,
+                                                 f"eval-{server_round}"):
+                if reply is None:
+                    failed.append({"id": pid, "reason": "no encoder reply"})
+                elif reply.has_error():
+                    failed.append({"node": reply.metadata.src_node_id, "reason": reply.error.reason})
+                else:
                     up += record_bytes(reply.content["arrays"])
                     self.encoders.save(pid, from_array_record(reply.content["arrays"]))
                     self.fetched[pid] = self.cfg.client_arch(pid)
-                    answered.add(pid)
-                failed += [{"id": pid, "reason": "no encoder reply"} for pid in chunk if pid not in answered]
         for f in failed:
             log(WARNING, "round %d: encoder query failed (%s); its last fetched encoder, if any, is scored",
                 server_round, f)
@@ -334,12 +411,14 @@ class HeteroSSFL(FedSSL):
             "never_trained": [i for i in range(n) if i not in self.trained],
             "eval_bytes_up_total": int(sum(self.eval_bytes.values())),
             "rad_size": self.rad_size,
-            "heterossfl": {"mu": self.options["mu"], "representation": self.options["representation"],
-                           "kernel": self.options["kernel"], "kernel_encoding": self.options["kernel_encoding"],
-                           "kernel_weights": self.options["kernel_weights"], "refresh": self.options["refresh"],
-                           "kernel_normalization": self.options["kernel_normalization"],
-                           "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see README)",
-                           "round_1": "local SSL only (no kernel yet)"},
+            "heterossfl": {**{key: self.options[key] for key in (
+                               "mu", "representation", "kernel", "kernel_encoding", "kernel_weights", "refresh",
+                               "refresh_steps", "rad_batch_size", "kernel_normalization", "bn_mode",
+                               "initial_kernels")},
+                           "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see the method's page)",
+                           "round_1": ("aligned to K_bar(0) of the initial models"
+                                       if self.options["initial_kernels"] == "query"
+                                       else "local SSL only (no kernel yet)")},
         }
 
 

@@ -34,10 +34,22 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
         assert all(math.isfinite(c["loss"]) for c in r["clients"])
         assert r["rad_size"] == n and r["kernels_stored"] == 2
         # Up: one N^2 kernel per client, whatever the model (plus the arrays' small headers).
-        assert 2 * kernel_bytes <= r["bytes_up"] == r["kernel_bytes_up"] < 2 * kernel_bytes + 4096
-    assert rounds[0]["bytes_down"] == 0 and rounds[0]["kbar_clients"] == 0  # round 1: local SSL only
-    assert 2 * kernel_bytes <= rounds[1]["bytes_down"] < 2 * kernel_bytes + 4096  # K_bar to both clients
-    assert all(c["aligned"] == 1.0 and 0 <= c["cka_start"] <= 1 for c in rounds[1]["clients"])
+        assert 2 * kernel_bytes <= r["kernel_bytes_up"] < 2 * kernel_bytes + 4096
+        # Down: K_bar to both clients, from round 1 on (K_bar(0) of the initial models, Algorithm 1).
+        assert r["kbar_clients"] == 2 and 2 * kernel_bytes <= r["bytes_down"] < 2 * kernel_bytes + 4096
+        # Every client aligned, with the term recomputed at every step (one local epoch: more than one refresh), and
+        # logs its kernel's norm.
+        assert all(c["aligned"] == 1.0 and c["refreshes"] > 1 and 0 <= c["cka_start"] <= 1
+                   and c["kernel_norm"] > 0 for c in r["clients"])
+    # Round 1's bytes up include the initial kernels the server asked for before it (one per client).
+    assert rounds[0]["initial_kernel_clients"] == 2 and set(rounds[0]["initial_kernel_norms"]) == {"0", "1"}
+    assert rounds[0]["bytes_up"] == rounds[0]["kernel_bytes_up"] + rounds[0]["initial_kernel_bytes_up"]
+    assert rounds[1]["bytes_up"] == rounds[1]["kernel_bytes_up"]
+    # With the default (the term recomputed at every step), local training does not pull the clients away from
+    # K_bar: the aligned clients' mean CKA to K_bar after the last round's training is not below its value before.
+    last = rounds[-1]["clients"]
+    assert sum(c["cka_end"] for c in last) >= sum(c["cka_start"] for c in last), \
+        [(c["cka_start"], c["cka_end"]) for c in last]
     # The encoders travel only for evaluation (round 2 = last round), counted apart from the round's bytes.
     assert "eval_bytes_up" not in rounds[0] and rounds[1]["eval_bytes_up"] > 0 and rounds[1]["eval_clients"] == 2
     assert set(rounds[1]["knn_acc_by_model"]) == {"client_0", "client_1"}
@@ -52,8 +64,9 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
                zip(sorted(rounds[0]["clients"], key=lambda c: c["id"]), sorted(rounds[1]["clients"], key=lambda c: c["id"])))
 
     # The payload is what it claims to be: the kernel the server stored from client 1 in the last round equals
-    # K = A A^T computed here, independently, from that client's saved model on the RAD (its predictor output in
-    # eval mode, float32, images in [0, 1]).
+    # K = A A^T / ||H A A^T H||_F (kernel_normalization: frobenius, the default) computed here, independently, from
+    # that client's saved model on the RAD (its predictor output with BatchNorm on the RAD's own batch statistics,
+    # bn_mode: train, the default; float32, images in [0, 1]).
     import numpy as np
     import torch
 
@@ -68,13 +81,15 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     state = RoundStateStore(state_dir).load(1)
     model = build_ssl_model(cfg, seed=0, arch="resnet34")
     load_partial_state(model, {k: v for k, v in state.items() if not k.startswith("meta.")})
-    model.eval()
-    rad = torch.as_tensor(public_images(cfg)).permute(0, 3, 1, 2).float() / 255.0
+    model.train()  # a copy: its running statistics may move
+    rad = torch.as_tensor(public_images(cfg)).permute(0, 3, 1, 2).float().contiguous() / 255.0
     with torch.no_grad():
         a = model.predictor(model.projector(model.backbone(rad))).double()
     stored = DiskStateStore(out / "client_state" / "server-kernels").load(1)
     got = decode_kernel({k: v for k, v in stored.items() if not k.startswith("meta.")}, n).double()
     want = a @ a.T
+    centre = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    want = want / torch.linalg.matrix_norm(centre @ want @ centre)
     assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
     # Each personalised encoder is saved with its own architecture and can be scored by fedssl-eval.

@@ -1,6 +1,7 @@
 """Hetero-SSFL: kernel transport and averaging, the local alignment term, the strategy (kernels of every client
 under partial participation, encoder queries for evaluation), config checks; no `flwr run` (see the e2e test)."""
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +17,14 @@ from fedssl_wire import KERNEL_RECORD, from_array_record, record_names, to_array
 from wire_bytes import hand_bytes
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
+from ssl_models.data.augment import to_float_nchw
 from ssl_models.data.datasets import load_dataset
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
 from ssl_models.factory import build_ssl_model, state_to_numpy
 from ssl_models.federated.kernel_alignment import (KernelAligner, average_kernels, check_kernel_payload,
                                                    client_kernel, decode_kernel, encode_kernel, eval_mode,
-                                                   kernel_cka, normalize_kernel, rad_representations,
-                                                   representation_fn)
+                                                   kernel_cka, normalize_kernel, rad_forward_mode,
+                                                   rad_representations, representation_fn)
 from ssl_models.federated.cka import center_kernel, kernel_alignment_loss, linear_kernel
 from ssl_models.training import train_ssl
 from strategies import HeteroSSFL, Local
@@ -144,8 +146,9 @@ def small():
     return cfg, rad, images, client_kernel(rad_representations(other, rad, "predictor"))
 
 
-@pytest.mark.parametrize("refresh,extra", [("epoch", {}), ("steps", {"refresh_steps": 1}),
-                                           ("minibatch", {"rad_batch_size": 16})])
+@pytest.mark.parametrize("refresh,extra", [("epoch", {}), ("step", {"refresh_steps": 1}),
+                                           ("minibatch", {"rad_batch_size": 16}),
+                                           ("step", {"bn_mode": "train"})])
 def test_alignment_term_moves_the_kernel_towards_kbar(small, refresh, extra):
     cfg, rad, images, target = small
     ckas = {}
@@ -154,15 +157,17 @@ def test_alignment_term_moves_the_kernel_towards_kbar(small, refresh, extra):
         aligner = KernelAligner(rad, target, mu=mu, refresh=refresh, forward_batch_size=16, **extra)
         train_ssl(model, images, epochs=3, batch_size=32, lr=0.05, fast_path=False, max_steps_per_epoch=1, seed=0,
                   loss_hook=aligner.loss, epoch_hook=aligner.on_epoch_start)
-        ckas[mu] = kernel_cka(client_kernel(rad_representations(model, rad)), target)
-    assert ckas[20.0] > ckas[0.0] + 0.2, ckas
+        bn_mode = extra.get("bn_mode", "eval")  # measured as aligned
+        ckas[mu] = kernel_cka(client_kernel(rad_representations(model, rad, bn_mode=bn_mode)), target)
+    # (batch-statistics representations move less in these 3 steps: the target was taken in eval mode)
+    assert ckas[20.0] > ckas[0.0] + (0.1 if "bn_mode" in extra else 0.2), ckas
 
 
 def test_chunked_alignment_gradient_equals_the_full_graph_gradient(small):
     cfg, rad, _, target = small
     model = build_ssl_model(cfg, seed=2)
-    one_pass = KernelAligner(rad, target, mu=0.7, forward_batch_size=64)
-    chunked = KernelAligner(rad, target, mu=0.7, forward_batch_size=16)  # 40 RAD images in 3 chunks
+    one_pass = KernelAligner(rad, target, mu=0.7, refresh="epoch", forward_batch_size=64)
+    chunked = KernelAligner(rad, target, mu=0.7, refresh="epoch", forward_batch_size=16)  # 40 images, 3 chunks
     one_pass.on_epoch_start(model, 0)
     chunked.on_epoch_start(model, 0)
     params = [p for p in model.trainable_parameters()]
@@ -192,7 +197,7 @@ def test_refresh_schedule_and_the_surrogate_gradient(small):
         for p, g in epoch._grads:
             torch.testing.assert_close(p.grad, g)
     assert epoch.stats.refreshes == 1
-    steps = KernelAligner(rad, target, mu=0.5, refresh="steps", refresh_steps=2, forward_batch_size=64)
+    steps = KernelAligner(rad, target, mu=0.5, refresh="step", refresh_steps=2, forward_batch_size=64)
     for _ in range(3):
         steps.loss(model)
     assert steps.stats.refreshes == 2  # steps 1 and 3
@@ -200,6 +205,88 @@ def test_refresh_schedule_and_the_surrogate_gradient(small):
         KernelAligner(rad, target, mu=0.5, refresh="sometimes")
     with pytest.raises(ValueError, match="target kernel has shape"):
         KernelAligner(rad, target[:10, :10], mu=0.5)
+
+
+def eq2_at(model, rad, target, mu, bn_mode="eval"):
+    """mu (1 - CKA(A A^T, K_bar)) and its gradient, computed directly at the model's current weights (the RAD
+    forward with the graph, no chunking, no surrogate): Eq. 2's alignment term by hand."""
+    params = [p for p in model.trainable_parameters() if p.requires_grad]
+    # The RAD as the aligner feeds it (contiguous NCHW: a channels-last copy takes other convolution kernels, whose
+    # rounding batch-statistics gradients amplify past any tolerance)
+    x = to_float_nchw(torch.from_numpy(rad)).contiguous()
+    with rad_forward_mode(model, bn_mode):
+        features = representation_fn(model, "predictor")(x)
+        loss = mu * kernel_alignment_loss(features @ features.t(), target)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return float(loss.detach()), {id(p): g for p, g in zip(params, grads) if g is not None}
+
+
+@pytest.mark.parametrize("bn_mode", ["eval", "train"])
+def test_per_step_term_is_eq2_at_the_current_weights(small, bn_mode):
+    """refresh "step" (the default): at every step of an optimisation, the term's value and the gradient it adds are
+    Eq. 2's at the weights of that step (not those of an earlier refresh), chunked or not."""
+    cfg, rad, _, target = small
+    model = build_ssl_model(cfg, seed=4)
+    # eval: 40 RAD images in 3 chunks (running statistics: chunking changes nothing); train: one chunk, since batch
+    # statistics are those of each forward chunk
+    aligner = KernelAligner(rad, target, mu=0.8, forward_batch_size=16 if bn_mode == "eval" else 64, bn_mode=bn_mode)
+    assert aligner.refresh == "step" and aligner.refresh_steps == 1
+    params = [p for p in model.trainable_parameters() if p.requires_grad]
+    values = []
+    for step in range(3):
+        value, grads = eq2_at(model, rad, target, 0.8, bn_mode)
+        model.zero_grad(set_to_none=True)
+        term = aligner.loss(model)
+        term.backward()
+        assert float(term.detach()) == pytest.approx(value, rel=1e-5)
+        assert grads and all(p.grad is not None for p in params if id(p) in grads)
+        for p in params:
+            if id(p) in grads:
+                torch.testing.assert_close(p.grad, grads[id(p)], rtol=2e-3, atol=1e-6)
+        with torch.no_grad():  # a plain gradient step moves the weights: the next term must follow them
+            for p in params:
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        values.append(value)
+    assert aligner.stats.refreshes == 3 and len(set(values)) == 3
+    assert values[-1] < values[0]  # descending the exact term lowers it
+
+
+def test_rad_forward_in_train_mode_uses_batch_statistics_and_leaves_the_running_ones(small):
+    cfg, rad, images, _ = small
+    model = build_ssl_model(cfg, seed=6)
+    train_ssl(model, images, epochs=1, batch_size=32, lr=0.05, fast_path=False, max_steps_per_epoch=1, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+    modes = {m: m.training for m in model.modules()}
+    frozen = rad_representations(model, rad, bn_mode="eval", batch_size=16)
+    batch = rad_representations(model, rad, bn_mode="train", batch_size=40)
+    after = {k: v for k, v in model.state_dict().items() if k in before}
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)  # the RAD never touches them
+    assert {m: m.training for m in model.modules()} == modes
+    assert not torch.allclose(frozen, batch, atol=1e-3)
+    with torch.no_grad():  # train mode = every BatchNorm normalising with this forward's own statistics
+        work = copy.deepcopy(model).train()
+        by_hand = work.predictor(work.projector(work.backbone(to_float_nchw(torch.from_numpy(rad)).contiguous())))
+    torch.testing.assert_close(batch, by_hand, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="bn_mode"):
+        rad_representations(model, rad, bn_mode="frozen")
+
+
+def test_kbar_of_normalised_kernels_weighs_every_client_equally(identity, tmp_path):
+    """The default kernel_normalization (frobenius): each client uploads K / ||H K H||_F, so K_bar's centred form is
+    the plain mean of unit-norm centred kernels, whatever the clients' scales (by hand, two kernels 100x apart)."""
+    g = torch.Generator().manual_seed(3)
+    a1, a2 = torch.randn(8, 3, generator=g), 100 * torch.randn(8, 5, generator=g)
+    k1, k2 = a1 @ a1.t(), a2 @ a2.t()
+    payloads = [encode_kernel(normalize_kernel(k, "frobenius"), "dense-fp32") for k in (k1, k2)]
+    kbar = average_kernels([(p, 1.0) for p in payloads], 8)
+    hk1, hk2 = center_kernel(k1), center_kernel(k2)
+    expected = (hk1 / torch.linalg.matrix_norm(hk1) + hk2 / torch.linalg.matrix_norm(hk2)) / 2
+    torch.testing.assert_close(center_kernel(kbar), expected, rtol=1e-4, atol=1e-6)
+    assert kernel_cka(kbar, k1) > 0.3 and kernel_cka(kbar, k2) > 0.3  # both count
+    raw = average_kernels([(encode_kernel(k, "dense-fp32"), 1.0) for k in (k1, k2)], 8)
+    assert kernel_cka(raw, k2) > 0.999  # raw: K_bar is the large client's kernel
 
 
 # ---------------------------------------------------------------------------------------------- client rounds
@@ -218,8 +305,8 @@ def test_two_clients_of_different_architectures_train_together():
     down = encode_kernel(kbar, "dense-fp32")
     second = [kernel_round(cfg, client_images(cfg, pid), rad, down, first[pid].client_state, server_round=2,
                            partition_id=pid, lr=0.05, rad_digest=digest, options=opts) for pid in (0, 1)]
-    for r in second:
-        assert r.info["aligned"] and r.info["refreshes"] == 1 and 0 < r.info["cka_start"] <= 1 + 1e-5
+    for r in second:  # refresh "step": the term recomputed at every one of the round's steps
+        assert r.info["aligned"] and r.info["refreshes"] == r.stats.steps == 2 and 0 < r.info["cka_start"] <= 1 + 1e-5
         assert np.isfinite(r.info["align_loss"]) and np.isfinite(r.stats.loss)
     # No global model: each client continues from its own weights (a near-zero learning rate keeps them).
     still = kernel_round(cfg, client_images(cfg, 1), rad, down, first[1].client_state, server_round=2,
@@ -286,7 +373,8 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
     cfg = tiny(**{"federation.num_clients": 4, "model.client_archs": ["resnet18", "resnet34"] * 2,
                   "data.public_size": 6})
     nodes = {100 + pid: pid for pid in range(4)}
-    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, kernel_weights=weights)
+    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, kernel_weights=weights,
+                             initial_kernels="none")
 
     class Grid:
         def get_node_ids(self):
@@ -379,6 +467,39 @@ def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_pat
     assert by_arch["resnet18"]["num_clients"] == len(r18)
 
 
+@pytest.mark.parametrize("initial", ["query", "none"])
+def test_round_one_aligns_to_kbar0_of_the_initial_models(identity, tmp_path, initial):
+    """Algorithm 1 forms K_bar(0) from the initial models: before round 1 every client is asked (query.kernel) for
+    the kernel of its initial model, and round 1's clients train against their average (by hand here: the
+    initial models' normalised RAD kernels); ``initial_kernels: none`` keeps round 1 local."""
+    options = {"rad_forward_batch": 16, "initial_kernels": initial, "client_state": "memory"}
+    cfg = tiny(**{"strategy.options": {**OPTIONS, **options}})
+    grid = LoopbackGrid({300: 0, 301: 1})
+    strategy = make_strategy(cfg, tmp_path, {0: 300, 1: 301}, 2, **options)
+    msgs = list(strategy.configure_train(1, to_array_record({}), ConfigRecord({"experiment": cfg.to_json()}), grid))
+    queries = [m for m in grid.sent if m.metadata.message_type == "query.kernel"]
+    rad = public_images(cfg)
+    if initial == "none":
+        assert queries == [] and all(len(m.content["arrays"]) == 0 for m in msgs)
+        return
+    assert sorted(m.metadata.dst_node_id for m in queries) == [300, 301]
+    by_hand = []
+    for pid in (0, 1):  # batch statistics per 16-image chunk (bn_mode train, rad_forward_batch 16)
+        k = client_kernel(rad_representations(initial_client_model(cfg, pid), rad, "predictor", bn_mode="train",
+                                              batch_size=16))
+        by_hand.append(normalize_kernel(k, "frobenius"))
+    for m in msgs:
+        torch.testing.assert_close(decode_kernel(from_array_record(m.content["arrays"]), len(rad)),
+                                   (by_hand[0] + by_hand[1]) / 2, rtol=1e-4, atol=1e-5)
+    replies = grid.send_and_receive(msgs)
+    strategy.aggregate_train(1, replies)
+    record = strategy.round_records[1]
+    assert all(c["aligned"] and c["refreshes"] > 0 for c in record["clients"])
+    assert set(record["initial_kernel_norms"]) == {"0", "1"} and record["initial_kernel_clients"] == 2
+    assert record["bytes_up"] == record["kernel_bytes_up"] + record["initial_kernel_bytes_up"]
+    assert all(c["kernel_norm"] > 0 for c in record["clients"])  # every client's raw ||H K H||_F, logged
+
+
 def test_a_client_without_state_refuses_the_encoder_query(identity):
     cfg = tiny()
     ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
@@ -400,7 +521,9 @@ def test_config_checks_name_the_key(tmp_path):
     base = yaml.safe_load((REPO / "configs" / "smoke-heterossfl.yaml").read_text())
     base["data"]["dataset"] = "synthetic"
     cfg, _ = load_experiment(write(tmp_path, base))
-    assert cfg.strategy.options["refresh"] == "epoch" and cfg.strategy.options["mu"] == 0.5
+    assert cfg.strategy.options["refresh"] == "step" and cfg.strategy.options["mu"] == 0.5
+    assert cfg.strategy.options["kernel_normalization"] == "frobenius"
+    assert cfg.strategy.options["initial_kernels"] == "query" and cfg.strategy.options["bn_mode"] == "train"
     cases = [({"data": {**base["data"], "public_size": 0}}, r"^data.public_size: Hetero-SSFL needs the RAD"),
              ({"strategy": {"name": "heterossfl", "options": {"refresh": "sometimes"}}}, r"^strategy.options.refresh"),
              ({"strategy": {"name": "heterossfl", "options": {"mu": -1.0}}}, r"^strategy.options.mu: must be >= 0"),
@@ -410,6 +533,9 @@ def test_config_checks_name_the_key(tmp_path):
               r"^strategy.options.kernel_encoding"),
              ({"strategy": {"name": "heterossfl", "options": {"kernel_normalization": "l1"}}},
               r"^strategy.options.kernel_normalization"),
+             ({"strategy": {"name": "heterossfl", "options": {"bn_mode": "frozen"}}}, r"^strategy.options.bn_mode"),
+             ({"strategy": {"name": "heterossfl", "options": {"initial_kernels": "zero"}}},
+              r"^strategy.options.initial_kernels"),
              ({"model": {**base["model"], "client_arch_pool": ["resnet18", "resnet34"]}},
               r"^model.client_arch_pool: cannot be combined"),
              ({"model": {"arch": "resnet18", "client_arch_pool": ["resnet18", "resnet99"]}},

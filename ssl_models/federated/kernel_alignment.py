@@ -13,17 +13,28 @@ Representation Alignment Dataset (RAD, N images every party holds identically):
 3. a client trains on ``SSL loss + mu * (1 - CKA(K_k, K_bar))``, the gradient flowing through ``K_k`` into its
    network (``ssl_models.federated.cka.kernel_alignment_loss``).
 
-How the gradient flows when ``A_k`` is recomputed only once per local epoch (``refresh="epoch"``, the paper's
-Algorithm 1): at the start of the epoch the client forwards the RAD (BatchNorm in eval mode: the running
-statistics, so the RAD never updates them and chunks are independent), computes ``mu (1 - CKA(K_k, K_bar))``
-and its gradient ``g`` with respect to the network's parameters. Every step of the epoch then minimises
-``SSL loss + mu (1 - CKA)`` with the alignment term's gradient taken where ``A_k`` was computed: ``g`` is added to
-each step's gradient (through the surrogate ``<g, theta> - <g, theta>.detach()``, so the optimizer, weight decay
-and gradient scaling treat it as part of the loss). This is what keeping ``A_k`` for the epoch means for
-gradient descent; a detached ``K_k`` would give the alignment term no gradient at all (the bug of a public
-re-implementation). Options: ``refresh="steps"`` recomputes every ``refresh_steps`` steps (1: every step, as
-FedHeNN; exact), ``refresh="minibatch"`` uses, at every step, a random minibatch of ``rad_batch_size`` RAD images
-against the matching sub-block of ``K_bar`` (cheap for a large RAD; a noisier estimate of the same alignment).
+When ``A_k`` is recomputed (``refresh``):
+
+- ``step`` (the default; ``refresh_steps: 1``): at every local step the client forwards the RAD with its current
+  weights and adds ``mu (1 - CKA(K_k, K_bar))`` and its gradient there, so every step minimises Eq. 2 evaluated at
+  the current weights (FedHeNN recomputes its representations at every step too). ``refresh_steps: k > 1`` reuses
+  a refresh for k steps (cheaper, stale in between, as ``epoch`` below).
+- ``minibatch``: at every step a random ``rad_batch_size`` subset of the RAD against the matching sub-block of
+  ``K_bar``, with the graph: Eq. 2's term at the current weights on a minibatch (cheap for a large RAD; the CKA of a
+  subset is a noisy, biased estimate of the full one).
+- ``epoch``: ``A_k`` once per local epoch, at its start (a literal reading of Algorithm 1's "once per local
+  epoch"). The term's value and gradient ``g`` are taken there and ``g`` is added unchanged to every step of the
+  epoch (through the surrogate ``<g, theta> - <g, theta>.detach()``, so the optimizer, weight decay and gradient
+  scaling treat it as part of the loss). Between refreshes the term is thus **linearised**: a constant vector with
+  no minimum, which under Adam moves every coordinate it dominates by up to lr per step, whatever the alignment
+  does; measured at CPU scale, the clients' CKA to K_bar fell during local training in most rounds. Kept as a
+  named option for that comparison, not as the default.
+
+A detached ``K_k`` would give the alignment term no gradient at all (the bug of a public re-implementation).
+
+**BatchNorm during the RAD forward** (``bn_mode``): ``eval`` (default) uses the running statistics, so chunks are
+independent and the RAD never updates them; ``train`` uses each forward chunk's batch statistics (as the SSL steps
+do) without reading or updating the running statistics, so the RAD never changes them either.
 
 The full-RAD gradient is computed without holding the RAD's activations: a no-grad pass gives ``A`` (N, d), the
 gradient ``G = dL/dA`` is cheap (it lives in feature space), then the RAD is forwarded again chunk by chunk and
@@ -55,9 +66,10 @@ from ssl_models.federated.similarity import DENSE_FP32, ENCODING_MODES, TOPK, de
 
 REPRESENTATIONS = ("predictor", "projector", "backbone")
 KERNEL_FUNCTIONS = ("linear", "rbf")
-REFRESH_MODES = ("epoch", "steps", "minibatch")
+REFRESH_MODES = ("step", "minibatch", "epoch")
+BN_MODES = ("eval", "train")
 KERNEL_WEIGHTS = ("uniform", "data_size")
-KERNEL_NORMALIZATIONS = ("none", "frobenius")
+KERNEL_NORMALIZATIONS = ("frobenius", "none")
 SCALE_KEY = "scale"
 DEFAULT_FORWARD_BATCH = 256
 DEFAULT_CHUNK_ROWS = 1024
@@ -92,6 +104,31 @@ def eval_mode(module: nn.Module):
             m.train(mode)
 
 
+@contextmanager
+def rad_forward_mode(module: nn.Module, bn_mode: str = "eval"):
+    """The modes of a RAD forward: everything in eval mode; with ``bn_mode="train"`` the BatchNorm layers normalise
+    with each forward's batch statistics and neither read nor update their running statistics (they are switched
+    to ``track_running_stats = False`` for the block, so a RAD forward never writes a buffer: an in-place write
+    would also break the backward of a training step whose graph saved them). Every submodule's previous mode is
+    restored."""
+    if bn_mode not in BN_MODES:
+        raise ValueError(f"bn_mode must be one of {BN_MODES}, got {bn_mode!r}")
+    untracked: list[nn.Module] = []
+    with eval_mode(module):
+        if bn_mode == "train":
+            for m in module.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.train()
+                    if m.track_running_stats:
+                        m.track_running_stats = False
+                        untracked.append(m)
+        try:
+            yield module
+        finally:
+            for m in untracked:
+                m.track_running_stats = True
+
+
 def _as_uint8_tensor(images: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     x = torch.as_tensor(np.require(images, requirements=["C", "W"]) if isinstance(images, np.ndarray) else images)
     if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
@@ -107,14 +144,16 @@ def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Te
 
 
 def rad_representations(method: nn.Module, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
-                        device: torch.device | str = "cpu", batch_size: int = DEFAULT_FORWARD_BATCH) -> torch.Tensor:
-    """Representations (N, d) float32 on ``device`` of the RAD images, in eval mode, without gradient or
-    augmentation, in float32 (autocast off). The method's train/eval modes are restored."""
+                        device: torch.device | str = "cpu", batch_size: int = DEFAULT_FORWARD_BATCH,
+                        bn_mode: str = "eval") -> torch.Tensor:
+    """Representations (N, d) float32 on ``device`` of the RAD images, without gradient or augmentation, in float32
+    (autocast off), in chunks of ``batch_size`` with BatchNorm as ``bn_mode`` says (``rad_forward_mode``). The
+    method's train/eval modes and BatchNorm statistics are left as they were."""
     device = torch.device(device)
     method.to(device)
     x = _as_uint8_tensor(images, device)
     fn = representation_fn(method, representation)
-    with eval_mode(method), torch.no_grad(), torch.autocast(device.type, enabled=False):
+    with rad_forward_mode(method, bn_mode), torch.no_grad(), torch.autocast(device.type, enabled=False):
         return torch.cat([a for _, _, a in _forward_chunks(fn, x, batch_size)])
 
 
@@ -128,15 +167,23 @@ def client_kernel(features: torch.Tensor, kernel: str = "linear", rbf_threshold:
         return linear_kernel(a) if kernel == "linear" else rbf_kernel(a, rbf_threshold)
 
 
+def centred_kernel_norm(kernel: torch.Tensor) -> float:
+    """``||H K H||_F``: the size with which a kernel enters K_bar (logged per client and round)."""
+    with torch.no_grad(), torch.autocast(device_type=kernel.device.type, enabled=False):
+        return float(torch.linalg.matrix_norm(center_kernel(kernel.detach().float())))
+
+
 def normalize_kernel(kernel: torch.Tensor, normalization: str) -> torch.Tensor:
-    """``none``: the kernel as it is (the paper: K_bar then weighs each client by the size of its representations);
-    ``frobenius``: ``K / ||H K H||_F``, so every client enters K_bar with its own weight only. A client's CKA to
+    """``frobenius`` (the default): ``K / ||H K H||_F``, so every client's centred kernel enters K_bar with norm 1
+    and the average weighs clients as its weights say (the project's reading of the paper's uniform w = 1/n: raw
+    kernels of a deeper or wider encoder are hundreds of times larger, which would make K_bar that client's kernel);
+    ``none``: the kernel as it is (a client with larger representations weighs more in K_bar). A client's CKA to
     anything is unchanged either way (CKA is invariant to the kernel's scale)."""
     if normalization not in KERNEL_NORMALIZATIONS:
         raise ValueError(f"kernel normalization must be one of {KERNEL_NORMALIZATIONS}, got {normalization!r}")
     if normalization == "none":
         return kernel
-    norm = float(torch.linalg.matrix_norm(center_kernel(kernel.float())))
+    norm = centred_kernel_norm(kernel)
     return kernel / norm if norm > 0 else kernel
 
 
@@ -234,8 +281,8 @@ def average_kernels(sources: Iterable[tuple[Mapping[str, np.ndarray], float]], n
 class AlignmentStats:
     """What the alignment term did during one local round."""
 
-    values: list[float] = field(default_factory=list)  # mu * (1 - CKA) at every refresh (or step, minibatch mode)
-    ckas: list[float] = field(default_factory=list)  # CKA(K_k, K_bar) at the same moments
+    values: list[float] = field(default_factory=list)  # mu * (1 - CKA) at every refresh (every step: minibatch)
+    ckas: list[float] = field(default_factory=list)  # CKA(K_k, K_bar) at the same moments (minibatch: on the subset)
     refreshes: int = 0
 
     @property
@@ -246,21 +293,24 @@ class AlignmentStats:
 class KernelAligner:
     """The Hetero-SSFL alignment term ``mu * (1 - CKA(K_k, K_bar))`` for ``train_ssl``'s hooks.
 
-    ``epoch_hook`` (``on_epoch_start``) and ``loss_hook`` (``loss``) implement the refresh modes of the module
-    docstring. ``target_kernel`` is the server's K_bar (N, N); ``rad_images`` the RAD (N, H, W, 3) uint8.
+    ``on_epoch_start`` (``epoch_hook``) and ``loss`` (``loss_hook``) implement the refresh modes of the module
+    docstring (``step``, ``minibatch``, ``epoch``). ``target_kernel`` is the server's K_bar (N, N); ``rad_images``
+    the RAD (N, H, W, 3) uint8; ``bn_mode`` the BatchNorm mode of every RAD forward (``rad_forward_mode``).
     """
 
     def __init__(self, rad_images: np.ndarray | torch.Tensor, target_kernel: torch.Tensor, *, mu: float,
                  representation: str = "predictor", kernel: str = "linear", rbf_threshold: float = 0.5,
-                 refresh: str = "epoch", refresh_steps: int = 1, rad_batch_size: int = 256,
-                 forward_batch_size: int = DEFAULT_FORWARD_BATCH, device: torch.device | str = "cpu",
-                 seed: int = 0) -> None:
+                 refresh: str = "step", refresh_steps: int = 1, rad_batch_size: int = 256,
+                 forward_batch_size: int = DEFAULT_FORWARD_BATCH, bn_mode: str = "eval",
+                 device: torch.device | str = "cpu", seed: int = 0) -> None:
         if refresh not in REFRESH_MODES:
             raise ValueError(f"refresh must be one of {REFRESH_MODES}, got {refresh!r}")
         if representation not in REPRESENTATIONS:
             raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
         if kernel not in KERNEL_FUNCTIONS:
             raise ValueError(f"kernel must be one of {KERNEL_FUNCTIONS}, got {kernel!r}")
+        if bn_mode not in BN_MODES:
+            raise ValueError(f"bn_mode must be one of {BN_MODES}, got {bn_mode!r}")
         for name, value in (("refresh_steps", refresh_steps), ("rad_batch_size", rad_batch_size),
                             ("forward_batch_size", forward_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -281,7 +331,7 @@ class KernelAligner:
         self.centered_target = center_kernel(self.target) if kernel == "linear" and refresh != "minibatch" else None
         self.mu = float(mu)
         self.representation, self.kernel, self.rbf_threshold = representation, kernel, float(rbf_threshold)
-        self.refresh, self.refresh_steps = refresh, refresh_steps
+        self.refresh, self.refresh_steps, self.bn_mode = refresh, refresh_steps, bn_mode
         self.rad_batch_size, self.forward_batch_size = min(rad_batch_size, n), forward_batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = AlignmentStats()
@@ -299,10 +349,11 @@ class KernelAligner:
         """The alignment term of one step (a tensor added to the SSL loss)."""
         if self.refresh == "minibatch":
             return self._minibatch_loss(method)
-        if not self._refreshed or (self.refresh == "steps" and self._calls % self.refresh_steps == 0):
+        if not self._refreshed or (self.refresh == "step" and self._calls % self.refresh_steps == 0):
             self._refresh(method)
         self._calls += 1
-        # Value: the term as last computed; gradient: its gradient there (constant until the next refresh).
+        # Value: the term as last computed; gradient: its gradient there (at these very weights in ``step`` mode
+        # with refresh_steps 1, so the step minimises Eq. 2 itself).
         surrogate = torch.zeros((), device=self.device)
         for p, g in self._grads:
             surrogate = surrogate + (g * p).sum()
@@ -325,7 +376,7 @@ class KernelAligner:
         params = [p for p in method.trainable_parameters() if p.requires_grad]
         fn = representation_fn(method, self.representation)
         n = self.rad.shape[0]
-        with eval_mode(method), torch.autocast(self.device.type, enabled=False):
+        with rad_forward_mode(method, self.bn_mode), torch.autocast(self.device.type, enabled=False):
             if n <= self.forward_batch_size:  # one pass with the graph
                 features = fn(to_float_nchw(self.rad).contiguous()).float()
                 loss, similarity = self._kernel_loss(features, self.target)
@@ -350,9 +401,10 @@ class KernelAligner:
         n = self.rad.shape[0]
         idx = torch.randperm(n, generator=self.generator)[:self.rad_batch_size].sort().values.to(self.device)
         fn = representation_fn(method, self.representation)
-        with eval_mode(method), torch.autocast(self.device.type, enabled=False):
+        with rad_forward_mode(method, self.bn_mode), torch.autocast(self.device.type, enabled=False):
             features = fn(to_float_nchw(self.rad[idx]).contiguous()).float()
             loss, similarity = self._kernel_loss(features, self.target[idx][:, idx])
+        self.stats.refreshes += 1
         self._record(float(loss.detach()), similarity)
         return loss
 
