@@ -33,13 +33,23 @@ VARIANTS = {
     "LW-FedSSL": ("cpu-compare.yaml", "lwfedssl"),
     "FedMoCo-LW": ("cpu-compare.yaml", "fedmoco_lw"),
     "Prog-FedSSL": ("cpu-compare.yaml", "prog_fedssl"),
-    "FLL+DD": ("cpu-compare.yaml", "fll_dd"),
+    "FLL+DD (SimCLR)": ("cpu-compare.yaml", "fll_dd"),
     CENTRAL: ("cpu-compare-fedmocov3.yaml", "central"),
 }
+# FLL+DD runs SimCLR, as its paper does (configs/lwfedssl/fll-dd.yaml): the MoCo v3 projector's shape and temperature,
+# no predictor and no momentum encoder; the batch stays the comparison's.
+SIMCLR_ROWS = {"FLL+DD (SimCLR)"}
+
+
+def simclr_method(mocov3: dict) -> dict:
+    """The SimCLR method of a row that runs it: MoCo v3's projector (hidden, out, layers) and temperature."""
+    o = mocov3["options"]
+    return {"name": "simclr", "options": {"proj_hidden_dim": o["proj_hidden_dim"], "proj_out_dim": o["proj_out_dim"],
+                                          "num_proj_layers": o["num_proj_layers"], "temperature": o["temperature"]}}
 
 
 def load_configs() -> dict[str, dict]:
-    """Every row's config: its file with the row's strategy (options kept for the layer-wise ones)."""
+    """Every row's config: its file with the row's strategy (options kept for the layer-wise ones) and method."""
     files = {f: yaml.safe_load((CONFIGS / f).read_text()) for f, _ in VARIANTS.values()}
     out = {}
     for variant, (f, strategy) in VARIANTS.items():
@@ -48,6 +58,9 @@ def load_configs() -> dict[str, dict]:
             keep = raw["strategy"].get("options", {}) if strategy not in ("fedssl", "central") else {}
             raw["strategy"] = {"name": strategy, "options": keep}
             raw["name"] = f"cpu-compare-{strategy}"
+        if variant in SIMCLR_ROWS:
+            raw["method"] = simclr_method(raw["method"])
+            raw["name"] += "-simclr"
         out[variant] = raw
     return out
 
@@ -101,7 +114,8 @@ def write_tables(runs: list[dict], configs: dict, out: Path, command: str) -> No
     lines = [f"# Layer-wise FedSSL vs FedMoCoV3 at CPU scale ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Command: `{command}`. Configs: `configs/lwfedssl/cpu-compare.yaml` (the layer-wise rows, "
              "`strategy.name` changed) and `cpu-compare-fedmocov3.yaml` (FedMoCoV3 and the centralized row). Scale: "
-             f"{m['arch']} width {m['width']} ({m.get('options', {}).get('depth', 12)} blocks), MoCo v3, "
+             f"{m['arch']} width {m['width']} ({m.get('options', {}).get('depth', 12)} blocks), MoCo v3 (FLL+DD: "
+             "SimCLR, as its paper), "
              f"{base['federation']['num_clients']} clients ({d['partition']}) "
              f"over {d['max_train']} CIFAR-10 training images with {public} held by the server as auxiliary "
              f"data, {base['strategy']['options'].get('stages')} stages, {base['rounds']} rounds of "

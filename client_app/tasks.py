@@ -590,7 +590,7 @@ def layerwise_round(
     next time). ``plan`` (the round's ``lw-*`` config keys, prefix removed): ``trainable`` (``last_block``: block
     s + final norm + heads train, blocks 1..s-1 and the embeddings run frozen under no_grad; ``all``), ``alpha``
     and ``align-temperature`` (> 0: LW-FedSSL's representation alignment to the assembled global model, a frozen
-    copy), ``depth-dropout`` (FLL+DD), ``client-target`` (``reset``: the momentum encoder starts as a copy of the
+    copy; ``align-symmetric``: both views' terms, Algorithm 2 line 12), ``depth-dropout`` (FLL+DD), ``client-target`` (``reset``: the momentum encoder starts as a copy of the
     assembled model; ``keep``: the client's own, new blocks from the received ones), ``progress-start/-end`` (this
     round's window of MoCo v3's momentum schedule), ``accounting`` (per-step FLOPs, analytic memory; the peak RSS
     and CUDA peak of local training are always measured). Uploads exactly the trained entries.
@@ -621,8 +621,8 @@ def layerwise_round(
     if hasattr(method, "set_progress_range"):
         method.set_progress_range(float(plan.get("progress-start", 0.0)), float(plan.get("progress-end", 1.0)))
     alpha = float(plan.get("alpha", 0.0))
-    aligner = (RepresentationAligner(method.backbone, alpha, float(plan.get("align-temperature", 0.2)))
-               if alpha > 0 else None)
+    aligner = (RepresentationAligner(method.backbone, alpha, float(plan.get("align-temperature", 0.2)),
+                                     symmetric=bool(plan.get("align-symmetric", True))) if alpha > 0 else None)
     device = resolve_device(cfg.train.device)
     t = cfg.train
     batch = max(2, min(t.batch_size, len(images)))

@@ -9,7 +9,7 @@ LayerNorm is the current sub-model's output norm and trains with the active bloc
 
 | strategy | clients train | up | down | server |
 |---|---|---|---|---|
-| ``lwfedssl`` | block s + norm + heads (blocks 1..s-1 frozen, forward under no_grad) + alpha * alignment to the received global model | block s + norm + heads | blocks 1..s + heads (calibration changed them all) | FedAvg, then calibration of the whole sub-model on the auxiliary data |
+| ``lwfedssl`` | block s + norm + heads (blocks 1..s-1 frozen, forward under no_grad) + alpha * symmetric alignment to the received global model | block s + norm + heads | blocks 1..s + heads (calibration changed them all) | at the round's start (after growth, before the clients) calibration of the whole sub-model on the auxiliary data for E epochs; FedAvg of the uploads |
 | ``fedmoco_lw`` | block s + norm + heads | the same | block s + norm + heads (+ whatever the client lacks) | FedAvg |
 | ``fll_dd`` | as ``fedmoco_lw``, each frozen block skipped with probability ``depth_dropout`` per step | the same | the same | FedAvg |
 | ``prog_fedssl`` | blocks 1..s + embeddings + norm + heads | the whole sub-model | the whole sub-model | FedAvg |
@@ -20,8 +20,9 @@ End-to-end FedMoCoV3 is ``strategy: fedssl`` with ``method: mocov3`` and ``model
 entry the client holds (entries it trained itself count as its own, not the global one). Each round it sends the
 entries the client trains plus every entry whose global version the client does not hold. Within a stage of
 FedMoCo-LW that is block s + norm + heads; at a stage start also block s-1 (its last aggregate replaced the client's
-own copy); under LW-FedSSL calibration changes every entry each round, so blocks 1..s + heads; a client that missed
-stages, or whose last round failed, gets the whole current sub-model.
+own copy); under LW-FedSSL calibration changes every entry before each round, so blocks 1..s + heads; a client that
+missed stages, or whose last round failed, gets the whole current sub-model. The global model evaluated after a
+round (and saved at the end) is that round's FedAvg: the next round's calibration belongs to the next round.
 
 **Learning rate** per round: ``lr_strategy`` ``fixed``, ``cosine`` over the run or ``cyclic`` (a cosine within each
 stage); it replaces ``train.lr_schedule``. MoCo v3's momentum schedule (``method.options.momentum_schedule``) runs
@@ -232,6 +233,7 @@ class LayerwiseFedSSL(FedSSL):
                 "lw-variant": self.variant, "lw-stage": pos.stage, "lw-trainable": self.trainable_mode,
                 "lw-depth-dropout": float(o.get("depth_dropout", 0.0)), "lw-alpha": float(o.get("alpha", 0.0)),
                 "lw-align-temperature": float(o.get("align_temperature", 0.2)),
+                "lw-align-symmetric": bool(o.get("align_symmetric", True)),
                 "lw-client-target": str(o["client_target"]), "lw-accounting": bool(o["resource_accounting"]),
                 "lw-progress-start": float(start), "lw-progress-end": float(end)}
 
@@ -243,6 +245,8 @@ class LayerwiseFedSSL(FedSSL):
         self._positions[server_round] = pos
         while self.depth < pos.stage:
             self._grow(server_round)
+        if self.calibrates:  # Algorithm 1 lines 4-9: after the new block, before the clients train
+            self._calibrate(server_round)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         pid_of_node = {node: pid for pid, node in self.clients.items()}
         down = self._down.setdefault(server_round, {})
@@ -285,12 +289,10 @@ class LayerwiseFedSSL(FedSSL):
         averaged = weighted_average(states, [c["num_examples"] for c in clients])
         self.global_state.update(averaged)
         self._bump(averaged)
-        if self.calibrates:
-            self._calibrate(server_round)
         return to_array_record(self.global_state)
 
     def _calibrate(self, server_round: int) -> None:
-        """Hook: LW-FedSSL calibrates the whole sub-model on the server after FedAvg."""
+        """Hook: LW-FedSSL calibrates the whole sub-model on the server at the start of every round."""
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -442,7 +444,8 @@ class LayerwiseFedSSL(FedSSL):
 
 
 class LWFedSSL(LayerwiseFedSSL):
-    """LW-FedSSL: layer-wise clients with representation alignment, FedAvg, then server-side calibration."""
+    """LW-FedSSL: server-side calibration at every round's start, layer-wise clients with representation
+    alignment, FedAvg."""
 
     name = "lwfedssl"
     variant = "lwfedssl"
@@ -453,8 +456,12 @@ class LWFedSSL(LayerwiseFedSSL):
             **super().default_options(),
             "alpha": 0.01,  # weight of the representation alignment term (0 = off)
             "align_temperature": 0.2,  # tau of the alignment term
-            "calibration_epochs": 1,  # passes over the auxiliary data per round (0 = no calibration)
-            "calibration_lr": 0.0,  # 0: the round's learning rate
+            # l(z1_local, z2_global) + l(z2_local, z1_global), Algorithm 2 line 12 (false: the first term only)
+            "align_symmetric": True,
+            # passes over the auxiliary data at the start of every round: null = train.local_epochs ("the same
+            # settings as local training"); 0 = no calibration
+            "calibration_epochs": None,
+            "calibration_lr": 0.0,  # 0: the round's learning rate (as the clients')
             "calibration_batch_size": 0,  # 0: train.batch_size
         }
 
@@ -463,7 +470,10 @@ class LWFedSSL(LayerwiseFedSSL):
         super().check_options(options)
         _check_non_negative(options, "alpha")
         check_positive(options, "align_temperature")
-        _check_int(options, "calibration_epochs", 0)
+        if not isinstance(options["align_symmetric"], bool):
+            raise ValueError(f"strategy.options.align_symmetric: must be true or false (got {options['align_symmetric']!r})")
+        if options["calibration_epochs"] is not None:
+            _check_int(options, "calibration_epochs", 0)
         _check_non_negative(options, "calibration_lr")
         _check_int(options, "calibration_batch_size", 0)
         if options["calibration_batch_size"] == 1:
@@ -473,14 +483,20 @@ class LWFedSSL(LayerwiseFedSSL):
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        if cfg.strategy.options.get("calibration_epochs", 1) > 0 and not cfg.data.public_size:
+        if cfg.strategy.options.get("calibration_epochs") != 0 and not cfg.data.public_size:
             raise ValueError("data.public_size: LW-FedSSL calibrates on the server's auxiliary data, the server-held "
                              "split (never given to a client): set a fraction (the paper: 0.1) or a count, or turn "
                              "calibration off with strategy.options.calibration_epochs: 0")
 
     @property
+    def calibration_epochs(self) -> int:
+        """E: the configured epochs, or train.local_epochs (the paper: the same settings as local training)."""
+        epochs = self.options["calibration_epochs"]
+        return int(self.cfg.train.local_epochs) if epochs is None else int(epochs)
+
+    @property
     def calibrates(self) -> bool:  # type: ignore[override]
-        return int(self.options["calibration_epochs"]) > 0
+        return self.calibration_epochs > 0
 
     def prepare(self, cfg, data, split) -> None:
         super().prepare(cfg, data, split)
@@ -495,7 +511,7 @@ class LWFedSSL(LayerwiseFedSSL):
         method = build_layerwise_model(self.cfg, self.depth, seed=self.cfg.seed)
         load_partial_state(method, self.global_state)
         t0 = time.perf_counter()
-        stats = calibrate(self.cfg, method, self.aux, epochs=int(o["calibration_epochs"]), lr=lr,
+        stats = calibrate(self.cfg, method, self.aux, epochs=self.calibration_epochs, lr=lr,
                           seed=self.seed * 1_009 + server_round, device=self.device,
                           batch_size=int(o["calibration_batch_size"]), progress=pos.progress)
         method.cpu()
@@ -504,10 +520,11 @@ class LWFedSSL(LayerwiseFedSSL):
         self._bump(self.global_state)
         self.calibration_stats[server_round] = {"loss": stats.loss, "steps": stats.steps, "seconds": stats.seconds,
                                                 "wall_s": time.perf_counter() - t0, "lr": lr,
-                                                "epochs": int(o["calibration_epochs"]), "aux_images": len(self.aux),
+                                                "epochs": self.calibration_epochs, "aux_images": len(self.aux),
                                                 "depth": self.depth}
-        log(INFO, "round %d: calibrated the %d-block sub-model on %d auxiliary images: %d steps, loss %.4f, %.1f s",
-            server_round, self.depth, len(self.aux), stats.steps, stats.loss, stats.seconds)
+        log(INFO, "round %d: calibrated the %d-block sub-model on %d auxiliary images before the clients train: "
+            "%d epochs, %d steps, loss %.4f, %.1f s", server_round, self.depth, len(self.aux),
+            self.calibration_epochs, stats.steps, stats.loss, stats.seconds)
 
 
 class FedMoCoLW(LayerwiseFedSSL):

@@ -15,13 +15,14 @@ import yaml
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client_app.tasks import layerwise_round, train_local_ssl
+from client_app.tasks import fedssl_download, layerwise_round, train_local_ssl
 from fedssl_wire import LAYERWISE_MESSAGE_TYPE, from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, set_dotted
 from ssl_models.data.splits import client_images, federated_split, load_experiment_data, public_images
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint, save_encoder_checkpoint
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.federated.layerwise import (RepresentationAligner, alignment_loss, build_layerwise_model, calibrate,
                                             configure_local_model, grow_online_state, online_state,
                                             round_lr, select, stage_of_round, stage_rounds, submodel_prefixes,
@@ -197,13 +198,20 @@ def test_aligner_adds_alpha_times_the_term_on_the_steps_own_representations():
     configure_local_model(method, "last_block")
     received = build_layerwise_model(cfg, 2, seed=1).backbone  # a different "global" model
     aligner = RepresentationAligner(received, alpha=0.5, temperature=0.2)
+    assert aligner.symmetric and aligner.global_views == 2
     method.eval()  # no BN batch statistics: the same numbers every call
     v1, v2 = torch.rand(6, 3, 32, 32), torch.rand(6, 3, 32, 32)
     total = aligner.step(method, v1, v2)
     with torch.no_grad():
-        target = received(v2)
-    expected = method.training_step(v1, v2) + 0.5 * alignment_loss(method.backbone(v1), target, 0.2)
+        g1, g2 = received(v1), received(v2)
+    # Algorithm 2 line 12: l(z1_local, z2_global) + l(z2_local, z1_global)
+    term = alignment_loss(method.backbone(v1), g2, 0.2) + alignment_loss(method.backbone(v2), g1, 0.2)
+    expected = method.training_step(v1, v2) + 0.5 * term
     assert float(total.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    one_sided = RepresentationAligner(received, alpha=0.5, temperature=0.2, symmetric=False)
+    half = method.training_step(v1, v2) + 0.5 * alignment_loss(method.backbone(v1), g2, 0.2)
+    assert float(one_sided.step(method, v1, v2).detach()) == pytest.approx(float(half.detach()), rel=1e-5)
+    assert float(alignment_loss(method.backbone(v2), g1, 0.2)) > 0.1  # the second half is not negligible
     total.backward()
     assert all(p.grad is None for p in aligner.global_backbone.parameters())  # the global copy is frozen
     # As train_ssl's loss hook: the term of the step that just ran, then nothing is kept
@@ -343,17 +351,43 @@ def test_bytes_of_every_message_kind_counted_by_hand(variant):
     assert resources["per_client"]["0"]["rounds"] == 6
 
 
-def test_lwfedssl_calibrates_after_averaging_and_the_others_do_not():
-    cfg = experiment("lwfedssl", **{"train.max_steps_per_epoch": 1})
+def test_lwfedssl_calibrates_at_the_round_start_before_the_clients_and_the_others_do_not():
+    """Algorithm 1 lines 4-9: each round the server appends the stage's block, then calibrates the whole sub-model
+    for E epochs with the local-training settings (E = train.local_epochs by default), and only then sends it; the
+    model after the round (evaluated, saved) is the FedAvg of the uploads, not calibrated again."""
+    cfg = experiment("lwfedssl", **{"train.local_epochs": 2, "train.max_steps_per_epoch": 1})
     strategy, arrays = make_strategy("lwfedssl", cfg)
-    run_round(strategy, 1, arrays, [100, 101])
-    before = dict(strategy.global_state)
-    msgs, _ = run_round(strategy, 2, to_array_record(strategy.global_state), [100, 101])
-    record = strategy.round_records[2]
-    assert record["calibration"]["steps"] >= 1 and record["calibration"]["aux_images"] == len(strategy.aux)
-    # every entry differs from the plain average of the uploads (before + 0.01): calibration moved it
-    for key in (k for k in before if k.endswith("weight")):
-        assert not np.allclose(strategy.global_state[key], before[key] + 0.01), key
+    assert strategy.options["calibration_epochs"] is None and strategy.calibration_epochs == 2
+    calls = []
+    real = strategy._calibrate
+
+    def spy(server_round):
+        calls.append((server_round, strategy.depth, dict(strategy.global_state)))
+        real(server_round)
+
+    strategy._calibrate = spy
+    new_arrays = arrays
+    for r in (1, 2, 3):  # stages of 2 rounds: round 3 appends block 2 first
+        msgs = list(strategy.configure_train(r, new_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101])))
+        assert calls[-1][0] == r and calls[-1][1] == strategy.position(r).stage  # grown, then calibrated
+        calibrated = dict(strategy.global_state)
+        for m in msgs:  # the clients get the calibrated sub-model, every entry of it
+            sent = from_array_record(m.content["arrays"])
+            assert set(sent) == set(calibrated)
+            for key, value in sent.items():
+                np.testing.assert_array_equal(value, calibrated[key])
+        changed = [k for k in calibrated if k.endswith("weight") and not np.array_equal(calibrated[k], calls[-1][2][k])]
+        assert len(changed) == len([k for k in calibrated if k.endswith("weight")])  # calibration moved them all
+        new, _ = strategy.aggregate_train(r, fake_replies(strategy, msgs))
+        record = strategy.round_records[r]
+        assert record["calibration"]["epochs"] == 2 and record["calibration"]["aux_images"] == len(strategy.aux)
+        assert record["calibration"]["steps"] == 2  # 2 epochs x max_steps_per_epoch 1
+        after = from_array_record(new)
+        for key in strategy.trained_keys(strategy.depth):  # FedAvg of the uploads (calibrated + 0.01), as it is
+            if calibrated[key].dtype.kind == "f":
+                np.testing.assert_allclose(after[key], calibrated[key] + 0.01, rtol=1e-6, atol=1e-6)
+        new_arrays = new
+    assert [c[0] for c in calls] == [1, 2, 3]
     plain, arrays = make_strategy("fedmoco_lw", experiment("fedmoco_lw"))
     run_round(plain, 1, arrays, [100, 101])
     assert "calibration" not in plain.round_records[1]
@@ -438,6 +472,21 @@ def test_client_round_trains_and_uploads_only_its_part_and_reports_resources():
                         plan={**plan, "stage": 3, "accounting": False})
 
 
+def test_fll_dd_runs_simclr_layer_by_layer_as_its_paper():
+    """configs/lwfedssl/fll-dd.yaml: SimCLR (no predictor, no momentum encoder) on the growable ViT, depth dropout of
+    the frozen blocks, block s + norm + projector up."""
+    cfg = load_experiment({"config": "configs/lwfedssl/fll-dd.yaml", "data.dataset": "synthetic",
+                           "data.synthetic_train": 200, "model.width": 0.125, "train.batch_size": 8,
+                           "train.max_steps_per_epoch": 1, "train.local_epochs": 1})[0]
+    assert cfg.method.name == "simclr" and cfg.strategy.name == "fll_dd"
+    state = online_state(build_layerwise_model(cfg, 2, seed=0))
+    assert {k.split(".")[0] for k in state} == {"backbone", "projector"}
+    plan = {"stage": 2, "trainable": "last_block", "depth-dropout": 0.5, "accounting": False}
+    dd = layerwise_round(cfg, client_images(cfg, 0), state, None, server_round=3, partition_id=0, lr=1e-3, plan=plan)
+    assert list(dd.shared_state) == list(select(state, trained_prefixes(2, "last_block", ("projector.",))))
+    assert dd.info["depth_dropout"] == 0.5 and np.isfinite(dd.stats.loss)
+
+
 def test_fedmocov3_is_fedssl_with_mocov3_on_the_whole_vit_of_its_config():
     cfg = load_experiment({"config": "configs/lwfedssl/cpu-compare-fedmocov3.yaml", "data.dataset": "synthetic",
                            "data.synthetic_train": 200, "data.max_train": 0, "train.max_steps_per_epoch": 1,
@@ -450,6 +499,22 @@ def test_fedmocov3_is_fedssl_with_mocov3_on_the_whole_vit_of_its_config():
     assert cfg.model.options == {"depth": 6} and len(method.backbone.blocks) == 6
     assert set(result.shared_state) == set(shared)
     assert any(k.startswith("backbone.blocks.5.") for k in shared) and any(k.startswith("predictor.") for k in shared)
+    # Algorithm 3 line 1: every round the client's momentum encoder restarts from the received encoder (the
+    # config's update_both), not from the client's own last target, which it otherwise keeps.
+    assert cfg.strategy.options["update_both"]
+    received = {k: v + np.float32(0.5) if v.dtype.kind == "f" else v for k, v in shared.items()}
+    own_target = {f"target_{k}": v - np.float32(0.5) if v.dtype.kind == "f" else v
+                  for k, v in shared.items() if k.startswith(("backbone.", "projector."))}
+    own = {**result.local_state, **own_target}
+    for update_both, expected in ((True, received), (False, {k[len("target_"):]: v for k, v in own_target.items()})):
+        client = build_ssl_model(cfg, seed=0)
+        fedssl_download(client, received, own, 2, {"update_both": update_both})
+        target = {k[len("target_"):]: v for k, v in state_to_numpy(client.state_dict()).items()
+                  if k.startswith(TARGET_PREFIXES)}
+        assert target
+        for key, value in target.items():
+            if value.dtype.kind == "f":
+                np.testing.assert_allclose(value, expected[key], rtol=1e-6, atol=1e-6, err_msg=key)
 
 
 # ---------------------------------------------------------------------- evaluation of a grown encoder
@@ -543,8 +608,12 @@ def test_every_lwfedssl_config_loads_and_states_its_scale(path):
     cfg, _ = load_experiment({"config": str(path)})
     header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
     assert "Scale" in header
-    assert cfg.model.arch == "vit_tiny" and cfg.method.name == "mocov3"
-    if cfg.strategy.name != "fedssl":
+    # FLL+DD runs SimCLR, as its paper does; every other row MoCo v3
+    assert cfg.model.arch == "vit_tiny" and cfg.method.name == ("simclr" if path.stem == "fll-dd" else "mocov3")
+    assert cfg.train.weight_decay == pytest.approx(1e-5)  # the pinned text's AdamW weight decay
+    if cfg.strategy.name == "fedssl":
+        assert cfg.strategy.options["update_both"]  # Algorithm 3 line 1: the target starts from the received model
+    else:
         cls = get_strategy_class(cfg.strategy.name)
         assert cfg.rounds >= cfg.strategy.options["stages"]
         assert sum(stage_rounds(cfg.rounds, cfg.strategy.options["stages"], cfg.strategy.options["allocation"])) == \
@@ -557,14 +626,20 @@ def test_main_comparison_holds_the_papers_settings():
             if not p.stem.startswith("cpu-compare")}
     assert sorted(main) == ["fedmoco-lw", "fedmocov3", "fll-dd", "lwfedssl", "prog-fedssl"]
     for name, cfg in main.items():
-        assert (cfg.federation.num_clients, cfg.rounds, cfg.train.batch_size, cfg.train.local_epochs) == (10, 180, 1024, 3)
-        assert cfg.train.lr == pytest.approx(6e-4) and cfg.train.optimizer == "adamw"
+        batch = 512 if name == "fll-dd" else 1024  # FLL+DD: SimCLR at batch 512, as its paper
+        assert (cfg.federation.num_clients, cfg.rounds, cfg.train.batch_size, cfg.train.local_epochs) == (10, 180, batch, 3)
+        assert cfg.train.lr == pytest.approx(1.5e-4 * batch / 256) and cfg.train.optimizer == "adamw"
+        assert cfg.train.weight_decay == pytest.approx(1e-5)
         assert cfg.method.options["proj_hidden_dim"] == 4096 and cfg.method.options["proj_out_dim"] == 256
-        assert cfg.method.options["temperature"] == 0.2 and cfg.method.options["momentum"] == 0.99
+        assert cfg.method.options["temperature"] == 0.2
+        assert cfg.method.name == ("simclr" if name == "fll-dd" else "mocov3")
+        if cfg.method.name == "mocov3":
+            assert cfg.method.options["momentum"] == 0.99
         assert cfg.data.public_size == 0.1
         if name != "fedmocov3":
             assert cfg.strategy.options["stages"] == 12 and stage_rounds(180, 12) == [15] * 12
-    assert main["lwfedssl"].strategy.options["alpha"] == 0.01
+    assert main["lwfedssl"].strategy.options["alpha"] == 0.01 and main["lwfedssl"].strategy.options["align_symmetric"]
+    assert main["lwfedssl"].strategy.options["calibration_epochs"] is None  # = the 3 local epochs
     assert main["fll-dd"].strategy.options["depth_dropout"] == 0.5
     assert main["fedmocov3"].strategy.name == "fedssl"
     studies = REPO / "configs/lwfedssl/studies"

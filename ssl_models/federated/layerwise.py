@@ -32,17 +32,21 @@ active block in every stage; the heads are every non-backbone prefix the method 
 **Weight transfer at a stage start** (``grow_online_state``): block s is appended as a copy of the trained
 block s-1 (``init="copy"``) or freshly initialised (``"fresh"``, seeded).
 
-**Representation alignment** (LW-FedSSL): ``alignment_loss(local, global_, tau)`` is the InfoNCE term of the
-paper, the local model's representation of view 1 of image i against the received (frozen) global model's
-representations of view 2 of every image of the batch, the positive being image i's:
-``-mean_i log( exp(sim(z_i, g_i) / tau) / sum_j exp(sim(z_i, g_j) / tau) )`` with cosine similarity; the
-representation is the encoder's output (the ViT's final-normed CLS token). ``RepresentationAligner`` adds
-``alpha`` times it to every local step through ``train_ssl``'s ``loss_hook``: a forward hook on the online backbone
-keeps the step's own representations, so nothing is computed twice; the global copy runs under ``no_grad``.
+**Representation alignment** (LW-FedSSL, Algorithm 2 line 12): ``alignment_loss(local, global_, tau)`` is the
+InfoNCE term of the paper, the local model's representation of one view of image i against the received (frozen)
+global model's representations of the other view of every image of the batch, the positive being image i's:
+``l(z, g) = -mean_i log( exp(sim(z_i, g_i) / tau) / sum_j exp(sim(z_i, g_j) / tau) )`` with cosine similarity; the
+representation is the encoder's output (the ViT's final-normed CLS token). The term is symmetric, as line 12 writes
+it: ``l(z1_local, z2_global) + l(z2_local, z1_global)`` (``symmetric=False`` keeps only the first half).
+``RepresentationAligner`` adds ``alpha`` times it to every local step through ``train_ssl``'s ``loss_hook``: a
+forward hook on the online backbone keeps the step's own representations of both views, so nothing is computed
+twice; the global copy runs on both views under ``no_grad``.
 
-**Server-side calibration** (``calibrate``): the whole current sub-model (every block, embeddings, norm, heads)
-trains end to end with the experiment's SSL method and local-training settings on the server's auxiliary images,
-through ``ssl_models.training.train_ssl``; its momentum branch starts as a copy of the online one.
+**Server-side calibration** (``calibrate``, Algorithm 1 lines 4-9): at the start of every round, after the stage's
+new block is appended and before the clients train, the whole current sub-model (every block, embeddings, norm,
+heads) trains end to end with the experiment's SSL method on the server's auxiliary images for E epochs with the
+same settings as local training (the paper: "for the server-side calibration mechanism, we use the same settings as
+local training"), through ``ssl_models.training.train_ssl``; its momentum branch starts as a copy of the online one.
 
 **Resources** (``resource_account``): per-sample FLOPs of one local step (``training_step_flops`` on a deep
 copy, plus the alignment's forward of the global copy), the analytic training memory of one step at the real
@@ -278,17 +282,17 @@ def alignment_loss(local: torch.Tensor, global_: torch.Tensor, temperature: floa
 
 
 class RepresentationAligner:
-    """alpha * ``alignment_loss`` against a frozen copy of the received global encoder, as ``train_ssl``'s
-    ``loss_hook``.
+    """alpha * the representation alignment term against a frozen copy of the received global encoder, as
+    ``train_ssl``'s ``loss_hook``.
 
     ``attach(method)`` puts a forward hook on ``method.backbone`` that keeps, during a step, what the online encoder
-    was given and what it returned: the first call is view 1 (its output is the local representation, with its
-    graph), the second view 2 (its input goes through the global copy under ``no_grad``). Every SSL method here
-    runs the online encoder on view 1 and then view 2; a step that does not is refused. ``loss(method)`` returns
-    the weighted term of the step and forgets the step.
+    was given and what it returned: the first call is view 1, the second view 2 (each output with its graph); the
+    global copy encodes both inputs under ``no_grad``. The term is ``l(z1, g2) + l(z2, g1)`` (Algorithm 2 line 12;
+    ``symmetric=False``: ``l(z1, g2)`` only). Every SSL method here runs the online encoder on view 1 and then view
+    2; a step that does not is refused. ``loss(method)`` returns the weighted term of the step and forgets the step.
     """
 
-    def __init__(self, global_backbone: nn.Module, alpha: float, temperature: float) -> None:
+    def __init__(self, global_backbone: nn.Module, alpha: float, temperature: float, symmetric: bool = True) -> None:
         if not alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {alpha!r}")
         if not temperature > 0:
@@ -300,9 +304,15 @@ class RepresentationAligner:
         self.global_backbone.eval()
         self.alpha = float(alpha)
         self.temperature = float(temperature)
+        self.symmetric = bool(symmetric)
         self.values: list[float] = []  # unweighted alignment loss of every step
         self._calls: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._handle = None
+
+    @property
+    def global_views(self) -> int:
+        """How many views the global copy encodes per step (2 symmetric, 1 not): its share of a step's FLOPs."""
+        return 2 if self.symmetric else 1
 
     def _record(self, _module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if torch.is_grad_enabled():  # the online encoder inside a training step (not an evaluation forward)
@@ -319,19 +329,22 @@ class RepresentationAligner:
             self._handle = None
         self._calls.clear()
 
+    def _global(self, images: torch.Tensor) -> torch.Tensor:
+        reference = next(self.global_backbone.parameters())
+        if reference.device != images.device:
+            self.global_backbone.to(images.device)
+        with torch.no_grad():
+            return self.global_backbone(images)
+
     def loss(self, method: nn.Module) -> torch.Tensor:
         calls, self._calls = self._calls, []
         if len(calls) < 2:
             raise RuntimeError(f"representation alignment needs the online encoder to run on both views in a step "
                                f"(it ran {len(calls)} time(s)); is the aligner attached to this method?")
-        local = calls[0][1]
-        view2 = calls[1][0]
-        reference = next(self.global_backbone.parameters())
-        if reference.device != view2.device:
-            self.global_backbone.to(view2.device)
-        with torch.no_grad():
-            target = self.global_backbone(view2)
-        value = alignment_loss(local, target, self.temperature)
+        (view1, local1), (view2, local2) = calls[0], calls[1]
+        value = alignment_loss(local1, self._global(view2), self.temperature)
+        if self.symmetric:
+            value = value + alignment_loss(local2, self._global(view1), self.temperature)
         self.values.append(float(value.detach()))
         return self.alpha * value
 
@@ -404,7 +417,7 @@ def resource_account(method: nn.Module, *, optimizer: str, batch_size: int, sgd_
 
     FLOPs per sample (image; both views): ``training_step_flops`` with CPU attention counted (so CPU and CUDA
     agree) on a batch of ``min(batch_size, flops_batch)``, measured with no block skipped; with an aligner, plus
-    the global copy's forward of one view (``flops_align_forward``). ``flops_fvcore_equivalent`` = forward / 2.
+    the global copy's forward of the views it encodes (both, symmetric; ``flops_align_forward``). ``flops_fvcore_equivalent`` = forward / 2.
     With depth dropout, ``flops_expected`` subtracts the expected skipped frozen forwards (rate x frozen blocks x
     one block's forward x 2 views). Memory: ``analytic_training_memory`` of one step at ``batch_size`` (the
     aligned step with an aligner; the global copy's weights are added to ``mem_parameters``)."""
@@ -416,8 +429,9 @@ def resource_account(method: nn.Module, *, optimizer: str, batch_size: int, sgd_
         flops = training_step_flops(method, IMAGE_SHAPE, batch_size=max(2, min(int(batch_size), flops_batch)),
                                     device=device, count_cpu_attention=True)
         align_forward = 0.0
-        if aligner is not None:
-            align_forward = forward_flops(aligner.global_backbone, IMAGE_SHAPE, 2, count_cpu_attention=True)
+        if aligner is not None:  # the global copy's forward of one image, per view it encodes
+            align_forward = aligner.global_views * forward_flops(aligner.global_backbone, IMAGE_SHAPE, 2,
+                                                                 count_cpu_attention=True)
         memory = analytic_training_memory(method, optimizer, int(batch_size), view_shape=IMAGE_SHAPE, device=device,
                                           sgd_momentum=sgd_momentum, step_fn=aligner.step if aligner else None)
     finally:
