@@ -114,14 +114,16 @@ def client_rows(summary: dict, archs: list[str]) -> dict[str, dict[str, list[flo
 
 
 def alignment_curve(rounds: list[dict]) -> list[dict[str, Any]]:
-    """Per round: mean CKA(K_k, K_bar) of the aligned clients before (first refresh) and after local training."""
+    """Per round: mean CKA(K_k, K_bar) over the clients that had a K_bar, before and after local training (also
+    without alignment, mu 0: the no-alignment reference), and the clients' mean raw kernel norm ||H K H||_F."""
     curve = []
     for r in rounds:
-        aligned = [c for c in r.get("clients", []) if c.get("aligned")]
-        if aligned:
+        measured = [c for c in r.get("clients", []) if c.get("cka_start") is not None and c.get("cka_end") is not None]
+        if measured:
             curve.append({"round": r["round"],
-                          "cka_start": statistics.mean(c["cka_start"] for c in aligned),
-                          "cka_end": statistics.mean(c["cka_end"] for c in aligned)})
+                          "cka_start": statistics.mean(c["cka_start"] for c in measured),
+                          "cka_end": statistics.mean(c["cka_end"] for c in measured),
+                          "kernel_norm": {str(c["id"]): c.get("kernel_norm") for c in r["clients"]}})
     return curve
 
 
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--rounds", type=int, default=None, help="override the config's rounds (pilot runs)")
     ap.add_argument("--variants", nargs="+", default=None, help="only these variants (heterossfl, local, central-*)")
+    ap.add_argument("--only-hetero", action="store_true", help="only the --hetero variants (no local or central run)")
     ap.add_argument("--semi-supervised", default="", help="label fractions for fedssl-eval, e.g. 0.01,0.1")
     ap.add_argument("--pilot", action="store_true", help="label the results as a pilot")
     ap.add_argument("--note", action="append", default=[], help="a sentence added under the tables")
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         command += "".join(f" --hetero '{spec}'" for spec in args.hetero)
     if args.variants:
         command += " --variants " + " ".join(f"'{v}'" for v in args.variants)
+    if args.only_hetero:
+        command += " --only-hetero"
     results: dict[str, Any] = {"command": command, "config": base, "rounds": args.rounds or base["rounds"],
                                "pilot": args.pilot, "notes": args.note, "runs": []}
     if args.results:  # continue an earlier results file: keep its runs, commands and notes
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant, raw in configs.items():
             if args.variants and variant not in args.variants:
                 continue
+            if args.only_hetero and variant not in hetero:
+                continue
             if any(r["variant"] == variant and r["seed"] == seed for r in results["runs"]):
                 continue  # measured by the earlier invocation (--results): keep it
             with tempfile.TemporaryDirectory() as keep:
@@ -280,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     run["by_arch"] = client_rows(s, archs)
                 if variant.startswith("heterossfl"):
                     run["alignment"] = alignment_curve(res["rounds"])
+                    run["options"] = raw["strategy"]["options"]
                 if args.semi_supervised and s.get("scores_by_model"):
                     run["semi_supervised"] = semi_supervised(Path(keep) / "out", data, args.semi_supervised,
                                                              base["eval"]["max_train"], base["eval"]["max_test"])
