@@ -126,7 +126,8 @@ def fedema_download(method, global_state, client_state, server_round, options,
     predictor take the EMA and the target stays the client's own. ``options``: mu_mode
     (autoscaler | lambda | constant), tau, lambda, mu_encoder, mu_predictor, ema_scope
     (both | encoder | predictor), divergence (paper | easyfl), lambda_from (server_first_round |
-    client_first_ema). ``server_lambda``: the autoscaler's lambda the server computed after this client's
+    client_first_ema), ema_bn_stats (global: BatchNorm running statistics take the global model's, the EMA moves
+    parameters only, as the paper's W and EasyFL | ema: the statistics take the EMA too). ``server_lambda``: the autoscaler's lambda the server computed after this client's
     first training round (``lambda_from: server_first_round``); without it (``client_first_ema``, or a client
     whose first upload never reached the server) the client computes lambda = tau / d at its first EMA.
     """
@@ -161,10 +162,11 @@ def fedema_download(method, global_state, client_state, server_round, options,
         mu_enc, mu_pred = float(options["mu_encoder"]), float(options["mu_predictor"])
     scope = options["ema_scope"]
     merged = dict(global_state)  # parts outside the EMA scope take the global weights
+    bn_stats = str(options.get("ema_bn_stats", "global"))
     if scope in ("both", "encoder"):
-        merged.update(ema_merge(own, global_state, mu_enc, ONLINE_ENCODER))
+        merged.update(ema_merge(own, global_state, mu_enc, ONLINE_ENCODER, bn_stats))
     if scope in ("both", "predictor") and _pick(global_state, PREDICTOR):
-        merged.update(ema_merge(own, global_state, mu_pred, PREDICTOR))
+        merged.update(ema_merge(own, global_state, mu_pred, PREDICTOR, bn_stats))
     load_partial_state(method, merged)
     info.update(ema=True, mu=mu_enc, mu_predictor=mu_pred, divergence=d, divergence_paper=d_paper, **{"lambda": lam})
     return info

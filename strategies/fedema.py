@@ -25,7 +25,7 @@ from typing import Any
 
 from flwr.app import Message
 
-from ssl_models.federated.model_merge import autoscaler_lambda, l2_divergence
+from ssl_models.federated.model_merge import BN_STATS_MODES, autoscaler_lambda, l2_divergence
 from ssl_models.methods.base import ONLINE_PREFIXES
 from fedssl_wire import from_array_record
 
@@ -61,6 +61,9 @@ class FedEMA(FedSSL):
             # server_first_round: the server sets lambda from the client's first upload (Algorithm 1);
             # client_first_ema: the client sets it at its first EMA (the earlier behaviour).
             "lambda_from": "server_first_round",
+            # global: BatchNorm running statistics take the global model's values and the EMA moves parameters
+            # only (the paper's EMA is over the weights W; EasyFL's over parameters()); ema: them too.
+            "ema_bn_stats": "global",
         }
 
     @classmethod
@@ -70,6 +73,7 @@ class FedEMA(FedSSL):
         check_choice(options, "ema_scope", EMA_SCOPES)
         check_choice(options, "divergence", DIVERGENCES)
         check_choice(options, "lambda_from", LAMBDA_FROM)
+        check_choice(options, "ema_bn_stats", BN_STATS_MODES)
         check_positive(options, "tau")
         check_positive(options, "lambda")
         check_unit(options, "mu_encoder")

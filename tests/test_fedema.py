@@ -11,7 +11,8 @@ from client_app.tasks import fedema_download, fedu_download, train_local_ssl
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
-from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.model_merge import (autoscaler_lambda, easyfl_conv_keys, easyfl_divergence, ema_merge,
+                                             fedema_mu, l2_divergence)
 from ssl_models.data.splits import client_images
 from strategies import FedEMA, FedU
 
@@ -47,6 +48,25 @@ def test_ema_merge_hand_computation():
         ema_merge(local, glob, 1.5, ("enc.",))
 
 
+def test_ema_merge_leaves_batchnorm_statistics_global_by_default():
+    """The paper's EMA is over the weights W, EasyFL's over parameters(): BatchNorm running statistics take the
+    global model's values (bn_stats "global", the default); "ema" moves them with the same mu."""
+    local = {"enc.bn.weight": np.array([1.0]), "enc.bn.running_mean": np.array([1.0]),
+             "enc.bn.running_var": np.array([2.0])}
+    glob = {"enc.bn.weight": np.array([3.0]), "enc.bn.running_mean": np.array([5.0]),
+            "enc.bn.running_var": np.array([6.0])}
+    out = ema_merge(local, glob, 0.25, ("enc.",))
+    np.testing.assert_allclose(out["enc.bn.weight"], [0.25 * 1 + 0.75 * 3])  # a parameter: EMA
+    np.testing.assert_allclose(out["enc.bn.running_mean"], [5.0])  # statistics: global
+    np.testing.assert_allclose(out["enc.bn.running_var"], [6.0])
+    moved = ema_merge(local, glob, 0.25, ("enc.",), bn_stats="ema")
+    np.testing.assert_allclose(moved["enc.bn.running_mean"], [0.25 * 1 + 0.75 * 5])
+    np.testing.assert_allclose(moved["enc.bn.running_var"], [0.25 * 2 + 0.75 * 6])
+    with pytest.raises(ValueError, match="bn_stats"):
+        ema_merge(local, glob, 0.25, ("enc.",), bn_stats="none")
+    assert FedEMA.default_options()["ema_bn_stats"] == "global"
+
+
 def test_l2_divergence_counts_parameters_not_bn_statistics():
     g = {"backbone.w": np.array([0.0, 0.0]), "projector.b": np.array([1.0]),
          "backbone.bn.running_mean": np.array([100.0]), "predictor.w": np.array([50.0])}
@@ -62,6 +82,28 @@ def test_easyfl_divergence_is_the_mean_conv_weight_distance():
            "backbone.bn.weight": np.ones(3), "projector.0.weight": np.ones((2, 2))}
     # conv1 distance sqrt(9 + 9), conv2 distance 0; BN and projector weights are not conv weights.
     assert easyfl_divergence(start, end) == pytest.approx(math.sqrt(18) / 2)
+
+
+def test_easyfl_divergence_leaves_out_the_shortcut_convolutions_as_easyfl_does():
+    """A hand-made ResNet-like state: the stem convolution moves by a vector of norm 2, one block's conv1 by 3, its
+    1x1 projection shortcut by 100; BatchNorm and projector weights move too. EasyFL averages the weights named
+    ``conv`` (stem and residual branch) only: (2 + 3 + 0) / 3."""
+    shapes = {"backbone.stem.0.weight": (2, 3, 3, 3), "backbone.layer2.0.conv1.weight": (4, 2, 3, 3),
+              "backbone.layer2.0.conv2.weight": (4, 4, 3, 3), "backbone.layer2.0.shortcut.0.weight": (4, 2, 1, 1),
+              "backbone.layer2.0.bn1.weight": (4,), "backbone.layer2.0.shortcut.1.weight": (4,),
+              "projector.0.weight": (8, 4)}
+    start = {k: np.zeros(v) for k, v in shapes.items()}
+    end = {k: np.full(v, 100.0) for k, v in shapes.items()}  # everything not reset below moves a lot
+    end["backbone.stem.0.weight"] = np.zeros(shapes["backbone.stem.0.weight"])
+    end["backbone.stem.0.weight"][0, 0, 0, :2] = [1.2, 1.6]  # norm 2
+    end["backbone.layer2.0.conv1.weight"] = np.zeros(shapes["backbone.layer2.0.conv1.weight"])
+    end["backbone.layer2.0.conv1.weight"][1, 1, 1, 1] = -3.0  # norm 3
+    end["backbone.layer2.0.conv2.weight"] = np.zeros(shapes["backbone.layer2.0.conv2.weight"])  # norm 0
+    assert easyfl_divergence(start, end) == pytest.approx((2.0 + 3.0 + 0.0) / 3)
+    # On the real encoders: EasyFL's ResNet-18 has 17 such convolutions (stem + 2 per block x 8), ResNet-34 33.
+    for arch, count in (("resnet18", 17), ("resnet34", 33)):
+        model = build_ssl_model(ExperimentConfig.from_dict({**TINY, "model": {"arch": arch, "width": 0.125}}))
+        assert len(easyfl_conv_keys(model.state_dict())) == count, arch
 
 
 def test_mu_and_autoscaler():
@@ -161,8 +203,9 @@ def test_fedema_easyfl_divergence_over_real_rounds_is_the_last_local_update_comp
     images = client_images(cfg, 0)
     r1 = train_local_ssl(cfg, images, glob, None, server_round=1, partition_id=0, lr=0.05, rule="fedema",
                          rule_options=opts)
-    # a first participation takes the global model as it is: the local update is glob -> the kept model
-    keys = [k for k in glob if k.startswith("backbone.") and glob[k].ndim == 4]
+    # a first participation takes the global model as it is: the local update is glob -> the kept model; EasyFL's
+    # convolutions are the stem's and the residual branches' (no 1x1 shortcut)
+    keys = [k for k in glob if k.startswith("backbone.") and glob[k].ndim == 4 and ".shortcut." not in k]
     expected = float(np.mean([np.linalg.norm(glob[k].astype(np.float64) - r1.client_state[k].astype(np.float64))
                               for k in keys]))
     assert len(keys) > 10 and expected > 0
