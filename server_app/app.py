@@ -27,6 +27,7 @@ from fedssl_wire import from_array_record, to_array_record
 
 from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for, resolve_config_path
 from .paths import allowed_roots, confine
+from .provenance import provenance
 from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
 from .results import ResultsWriter, unused_output_dir
 
@@ -384,6 +385,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "output_dir": str(out_dir),
         "config_file": config_given,
         "config": cfg.to_dict(),
+        "provenance": provenance(cfg.to_dict(), cfg.train.device),
     }
     writer.write_summary(summary)
     writer.plot(f"{cfg.name}: {cfg.method.name} / {cfg.strategy.name}")

@@ -33,9 +33,23 @@ def resolve_config_path(name: str) -> Path:
     return APP_DIR / path
 
 
+def option_run_keys() -> list[str]:
+    """The run-config keys of the components' options: ``method.options.<name>`` for every option of every SSL
+    method, ``strategy.options.<name>`` for every strategy's, ``model.options.<name>`` for every architecture's (all
+    declared in pyproject.toml, so Flower accepts them; the chosen component then checks its own)."""
+    from ssl_models.methods import METHODS
+    from ssl_models.networks import ARCH_OPTIONS
+    from strategies import STRATEGIES
+
+    keys = {f"method.options.{k}" for cls in METHODS.values() for k in cls.default_options()}
+    keys |= {f"strategy.options.{k}" for cls in STRATEGIES.values() for k in cls.default_options()}
+    keys |= {f"model.options.{k}" for names in ARCH_OPTIONS.values() for k in names}
+    return sorted(keys)
+
+
 def overrides_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """The YAML settings the run config sets (its non-empty values), by dotted key."""
-    known = set(leaf_keys()) | set(RUN_ONLY_KEYS)
+    known = set(leaf_keys()) | set(RUN_ONLY_KEYS) | set(option_run_keys())
     out = {}
     for key, value in run_config.items():
         if key in RUN_ONLY_KEYS or value == "":
@@ -57,6 +71,16 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
                           "working directory of the SuperLink that runs the ServerApp); give an absolute path")
     cfg = ExperimentConfig.from_yaml(path, overrides_from_run_config(run_config))
     cfg.check_files()
+    check_components(cfg)
+    if cfg.data.path:
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())  # clients may run elsewhere
+    return cfg, path
+
+
+def check_components(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The checks that need the registries: the method's and the strategy's options (their defaults filled in),
+    every architecture named, mixed architectures only where the strategy allows them, the strategy's own option and
+    config checks. Raises ConfigError naming the key; returns ``cfg`` (changed in place)."""
     try:
         method_defaults = method_default_options(cfg.method.name)
     except ValueError as exc:
@@ -82,9 +106,7 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
         strategy_cls.check_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.data.path:
-        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())  # clients may run elsewhere
-    return cfg, path
+    return cfg
 
 
 def output_dir_for(cfg: ExperimentConfig) -> Path:

@@ -99,16 +99,35 @@ class ResultsWriter:
         }
 
     def plot(self, title: str) -> Path | None:
-        """Draw the curves; a plotting failure is reported, never fatal to the run."""
-        from .plotting import plot_curves
-
+        """Draw the train loss and the kNN accuracy against the round (matplotlib); a plotting failure is
+        reported, never fatal to the run."""
         def series(key: str) -> tuple[list[float], list[float]]:
             pts = [(r["round"], r[key]) for r in self.records if r.get(key) is not None]
             return [float(x) for x, _ in pts], [float(y) for _, y in pts]
 
         try:
-            plot_curves(self.plot_path, {"train loss": series("train_loss"), "knn acc": series("knn_acc")},
-                        title=title, xlabel="round")
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            from matplotlib.ticker import MaxNLocator
+
+            fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+            for ax, (key, label, scale) in zip(axes, (("train_loss", "train loss", 1.0),
+                                                      ("knn_acc", "kNN accuracy (%)", 100.0))):
+                xs, ys = series(key)
+                if xs:
+                    ax.plot(xs, [scale * y for y in ys], marker="o", markersize=3)
+                else:
+                    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
+                ax.set_xlabel("round")
+                ax.set_ylabel(label)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.grid(alpha=0.3)
+            fig.suptitle(title, fontsize=10)
+            fig.tight_layout()
+            fig.savefig(self.plot_path, dpi=110)
+            plt.close(fig)
             return self.plot_path
         except Exception as exc:  # noqa: BLE001 - the numbers are already on disk
             self.progress(f"could not draw {self.plot_path.name}: {exc}")

@@ -2,8 +2,15 @@
 
 One ``ExperimentConfig`` describes a whole run (data, model, SSL method, local training, federation,
 evaluation). It is loaded from a YAML file, optionally overridden by flat dotted keys
-(``train.lr=0.1``, as Flower's ``--run-config`` delivers them), and validated before anything starts:
-unknown keys, wrong types and impossible values raise ``ConfigError`` naming the dotted key.
+(``train.lr=0.1``, ``strategy.options.mu=0.1``, as Flower's ``--run-config`` delivers them), and validated before
+anything starts: unknown keys, wrong types and impossible values raise ``ConfigError`` naming the dotted key.
+
+**Composition** (``load_config_tree``): a YAML experiment may name a ``base`` experiment (a path relative to its
+own file; chains allowed, cycles refused) and hold only what differs. Mappings merge key by key, any other value
+(a number, a string, a list) replaces the base's, a ``null`` removes the key (its default applies again: e.g.
+``strategy.options: null`` when a variant switches to a strategy that takes other options), and a dotted key
+(``strategy.options.mu: 0.1``) is the same as the nested mappings it names. A small resolver of our own rather than
+OmegaConf: the merge is all this needs, and its errors stay one line naming the file and the key.
 
 This module is pure Python (no Flower, no torch) so both the ServerApp and the ClientApp can use it,
 and so it can be tested alone. Options that belong to a pluggable component (an SSL method's or a
@@ -209,19 +216,9 @@ class ExperimentConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "ExperimentConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config: file not found: {path}")
-        with path.open() as fh:
-            try:
-                raw = yaml.safe_load(fh) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"config: {path} is not valid YAML: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config: {path} must hold a mapping at the top level")
-        for key, value in (overrides or {}).items():
-            set_dotted(raw, key, value)
-        return cls.from_dict(raw)
+        """The experiment in ``path`` with its ``base`` chain resolved (``load_config_tree``), then ``overrides``
+        (dotted keys) applied."""
+        return cls.from_dict(merge_config(load_config_tree(path), overrides or {}))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -405,6 +402,96 @@ def validate_component_options(options: Mapping[str, Any], defaults: Mapping[str
             )
         merged[name] = float(value) if isinstance(default, float) and not isinstance(value, bool) else value
     return merged
+
+
+# ---------------------------------------------------------------------- composition
+BASE_KEY = "base"
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config") -> dict:
+    """The mapping at the top of a YAML file (an empty file is an empty mapping); ConfigError names the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what}: file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}: {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: {path} must hold a mapping at the top level")
+    return raw
+
+
+def expand_dotted(tree: Mapping[str, Any], where: str = "") -> dict:
+    """``tree`` with every dotted key (``a.b: v``) turned into nested mappings (``a: {b: v}``), at every level;
+    a key given both ways is merged as ``merge_config`` merges (the dotted one last)."""
+    out: dict = {}
+    dotted = []
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where or 'config'}: keys must be strings, got {key!r}")
+        if "." in key:
+            dotted.append((key, value))
+        else:
+            out[key] = expand_dotted(value, f"{where}{key}.") if isinstance(value, Mapping) else value
+    for key, value in dotted:
+        head, _, rest = key.partition(".")
+        if not head or not rest:
+            raise ConfigError(f"{where}{key}: empty part in a dotted key")
+        out = merge_config(out, {head: expand_dotted({rest: value}, f"{where}{head}.")})
+    return out
+
+
+def merge_config(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
+    """``override`` over ``base`` (neither is changed): mappings merge key by key, other values replace, ``None``
+    removes the key (its default applies), dotted keys name nested mappings."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
+    for key, value in expand_dotted(override).items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = _drop_nones(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _drop_nones(tree: Mapping[str, Any]) -> dict:
+    return {k: (_drop_nones(v) if isinstance(v, Mapping) else v) for k, v in tree.items() if v is not None}
+
+
+def config_chain(path: str | Path) -> list[Path]:
+    """The files of ``path``'s ``base`` chain, ``path`` first, its last base last (resolved paths)."""
+    chain: list[Path] = []
+    current = Path(path).expanduser().resolve()
+    while True:
+        if current in chain:
+            cycle = " -> ".join(p.name for p in chain[chain.index(current):] + [current])
+            raise ConfigError(f"base: cycle {cycle} (in {chain[-1]})")
+        raw = read_yaml_mapping(current)
+        chain.append(current)
+        base = raw.get(BASE_KEY)
+        if base is None:
+            return chain
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(f"base: must be the path of another experiment config, relative to {current} "
+                              f"(got {base!r})")
+        nxt = (current.parent / base).resolve()
+        if not nxt.is_file():
+            raise ConfigError(f"base: {base!r} not found (resolved to {nxt}; named in {current})")
+        current = nxt
+
+
+def load_config_tree(path: str | Path) -> dict:
+    """The experiment config in ``path`` as one mapping: its ``base`` chain (``config_chain``) merged from the
+    last base to ``path`` itself (``merge_config``), without the ``base`` keys. Not validated (``from_dict`` does
+    that)."""
+    tree: dict = {}
+    for file in reversed(config_chain(path)):
+        layer = read_yaml_mapping(file)
+        layer.pop(BASE_KEY, None)
+        tree = merge_config(tree, layer)
+    return tree
 
 
 def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:

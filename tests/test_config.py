@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server_app.experiment import load_experiment, overrides_from_run_config
+from server_app.experiment import load_experiment, option_run_keys, overrides_from_run_config
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,8 @@ def test_pyproject_run_config_lists_every_setting():
 
     flat = dict(flatten(section))
     expected = {k for k in leaf_keys() if k != "output_dir"} | {"config", "output-dir", "resume"}
-    assert set(flat) == expected
+    expected |= set(option_run_keys())  # every method's, strategy's and architecture's options
+    assert set(flat) == expected, sorted(set(flat) ^ expected)
     assert all(v == "" for k, v in flat.items() if k != "config")
 
 
@@ -149,3 +150,56 @@ def test_layerwise_run_refuses_a_model_depth_other_than_its_stages(tmp_path):
     path.write_text(path.read_text().replace("depth: 3", "depth: 4"))
     cfg, _ = load_experiment({"config": str(path)})
     assert cfg.model.options == {"depth": 4}
+
+
+# ---------------------------------------------------------------------------------------------- composition
+def write_yaml(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_a_config_names_a_base_and_overrides_only_what_differs(tmp_path):
+    write_yaml(tmp_path / "family" / "base.yaml", "name: b\nrounds: 7\ntrain: {lr: 0.5, batch_size: 16}\n"
+               "strategy: {name: fedema, options: {tau: 0.7, mu_mode: autoscaler}}\n")
+    mid = write_yaml(tmp_path / "family" / "mid.yaml", "base: base.yaml\nname: m\ntrain: {lr: 0.25}\n")
+    leaf = write_yaml(tmp_path / "runs" / "leaf.yaml",  # a chain, resolved relative to each file
+                      "base: ../family/mid.yaml\nstrategy.options.tau: 0.5\nname: leaf\n")
+    cfg = ExperimentConfig.from_yaml(leaf)
+    assert (cfg.name, cfg.rounds, cfg.train.lr, cfg.train.batch_size) == ("leaf", 7, 0.25, 16)
+    assert cfg.strategy.options == {"tau": 0.5, "mu_mode": "autoscaler"}
+    # null: back to the default (a variant switching to a strategy that takes other options)
+    switch = write_yaml(tmp_path / "switch.yaml", "base: family/base.yaml\nstrategy: {name: fedssl, options: null}\n")
+    assert ExperimentConfig.from_yaml(switch).strategy.options == {}
+    # run-config overrides (dotted) apply last, options included
+    over = ExperimentConfig.from_yaml(leaf, {"strategy.options.tau": 0.9, "train.lr": 0.1})
+    assert over.strategy.options["tau"] == 0.9 and over.train.lr == 0.1
+
+
+def test_composition_errors_name_the_file_and_the_key(tmp_path):
+    a = write_yaml(tmp_path / "a.yaml", "base: b.yaml\n")
+    write_yaml(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"^base: cycle a.yaml -> b.yaml -> a.yaml"):
+        ExperimentConfig.from_yaml(a)
+    missing = write_yaml(tmp_path / "m.yaml", "base: ../nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"^base: '../nowhere.yaml' not found .*m.yaml"):
+        ExperimentConfig.from_yaml(missing)
+    wrong = write_yaml(tmp_path / "w.yaml", "base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match=r"^base: must be the path"):
+        ExperimentConfig.from_yaml(wrong)
+    typo = write_yaml(tmp_path / "t.yaml", "base: a2.yaml\n")
+    write_yaml(tmp_path / "a2.yaml", "train: {learning_rate: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"^train.learning_rate"):
+        ExperimentConfig.from_yaml(typo)
+
+
+def test_run_config_sets_component_options_by_dotted_key(tmp_path):
+    cfg, _ = load_experiment({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic",
+                              "strategy.options.tau": 0.5, "method.options.momentum": 0.9})
+    assert cfg.strategy.options["tau"] == 0.5 and cfg.method.options["momentum"] == 0.9
+    # an option the chosen strategy does not take is refused by name, not ignored
+    with pytest.raises(ConfigError, match=r"^strategy.options.stages: unknown option"):
+        load_experiment({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic",
+                         "strategy.options.stages": 3})
+    with pytest.raises(ConfigError, match=r"^strategy.options.tua: unknown run-config key"):
+        overrides_from_run_config({"strategy.options.tua": 0.5})

@@ -1,0 +1,126 @@
+"""``fedssl-study run STUDY.yaml`` / ``fedssl-study report STUDY_DIR`` / ``fedssl-report RUN_DIR...``.
+
+Exit status: 0 when every run finished (or was finished earlier), 1 when a run failed, 2 for a bad study or bad
+arguments (one line naming the key, before any run starts), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ssl_models.config import ConfigError
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``--set key=value`` (repeatable): values read as YAML (``0.1`` a number, ``true`` a boolean, ``[1, 2]`` a
+    list)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value (e.g. data.path=/data/cifar10.npz)")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def say(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+
+def study_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedssl-study", description="Run a study (variants x seeds as real `flwr run` "
+                                 "runs, one after another) and report it.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run every (variant, seed) of a study file, then write its report")
+    run.add_argument("study", help="the study file (YAML)")
+    run.add_argument("--out", default=None, help="the study folder (default: ./outputs/studies/<study name>)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="an override for every run, e.g. --set data.path=/data/cifar10.npz (repeatable)")
+    run.add_argument("--variants", nargs="+", default=None, help="only these variants")
+    run.add_argument("--seeds", nargs="+", type=int, default=None, help="only these seeds (instead of the file's)")
+    run.add_argument("--connection", default=None, metavar="SUPERLINK",
+                     help="a SuperLink connection of your $FLWR_HOME/config.toml (a deployed federation, or a "
+                          "simulation on a Ray cluster), as `flwr run . <connection>`; default: a private local "
+                          "simulation started and stopped by the study")
+    run.add_argument("--federation-config", default=None,
+                     help="added to every run's --federation-config (e.g. 'client-resources-num-cpus=1'); the "
+                          "private simulation's size comes from each run's federation.num_clients")
+    run.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                     help="stop a run that has no result after S seconds and go on with the next")
+    run.add_argument("--dry-run", action="store_true", help="check the study and list its runs; run nothing")
+    rep = sub.add_parser("report", help="(re)write the report of a study folder")
+    rep.add_argument("study_dir")
+    args = ap.parse_args(argv)
+    command = "fedssl-study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if args.command == "report":
+        from .report import report_study
+
+        folder = Path(args.study_dir)
+        if not (folder / "runs").is_dir():
+            print(f"fedssl-study report: {folder} is not a study folder (no runs/ inside)", file=sys.stderr)
+            return 2
+        print(report_study(folder))
+        return 0
+
+    from .spec import load_study
+
+    try:
+        study = load_study(args.study, parse_sets(args.set), seeds=args.seeds, variants=args.variants)
+    except ConfigError as exc:
+        print(f"fedssl-study: {exc}", file=sys.stderr)
+        return 2
+    study_dir = Path(args.out or Path("outputs") / "studies" / study.name).resolve()
+    from .runner import StudyRunner, run_folder
+
+    runs = study.runs()
+    say(f"study {study.name!r}: {len(study.variants)} variants x {len(study.seeds)} seeds = {len(runs)} runs, "
+        f"one after another, into {study_dir}")
+    if args.dry_run:
+        for variant, seed in runs:
+            folder = run_folder(study_dir, variant, seed)
+            state = "finished" if (folder / "summary.json").is_file() else "to run"
+            say(f"  {variant}, seed {seed}: {state} ({folder})")
+        return 0
+    from .launcher import Launcher
+    from .report import report_study
+
+    launcher = Launcher(connection=args.connection, flwr_home=study_dir / ".flwr",
+                        federation_config=args.federation_config)
+    outcomes = StudyRunner(study, study_dir, launcher, say=say, run_timeout_s=args.run_timeout,
+                           command=command).run()
+    report = report_study(study_dir)
+    failed = [o for o in outcomes if o.status == "failed"]
+    interrupted = any(o.status == "interrupted" for o in outcomes)
+    say(f"report: {report}" + (f"; {len(failed)} run(s) failed: " + "; ".join(
+        f"{o.variant} seed {o.seed}: {o.reason}" for o in failed) if failed else ""))
+    if interrupted:
+        say("interrupted: run the same command again to continue the study")
+        return 130
+    return 1 if failed else 0
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedssl-report", description="Compare finished runs (their output folders): "
+                                 "report.md, report.csv and plots; the seeds of one experiment form one row.")
+    ap.add_argument("runs", nargs="+", help="run output folders (each with summary.json)")
+    ap.add_argument("--out", default=".", help="where report.md / report.csv / the plots go (default: here)")
+    args = ap.parse_args(argv)
+    from .report import report_runs
+
+    try:
+        print(report_runs([Path(p) for p in args.runs], Path(args.out),
+                          command="fedssl-report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))))
+    except FileNotFoundError as exc:
+        print(f"fedssl-report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(study_main())

@@ -1,0 +1,423 @@
+"""The report of a set of finished runs: ``report.md``, ``report.csv``, ``curves.png`` and ``scores.png``.
+
+Runs are grouped into rows by variant: a study's runs by the variant named in their ``run.json``; runs given as
+folders (``fedssl-report RUN_DIR...``) by their experiment config without the seed, name and output folder (so the
+seeds of one experiment form one row, named after the run without its ``-seed<N>``). Per row, over its seeds: mean
+and sample standard deviation of the linear probe and kNN accuracy and of the linear probe's gain over the run's own
+random-init encoder, each seed's values, rounds, bytes up and down per client, the clients' training FLOPs and the
+wall time. A random-init row (each seed's initial encoder, scored with the same protocol) comes first; a
+``strategy: central`` row is marked as the centralized reference. Runs with several client encoders (Hetero-SSFL,
+Min-Local) add a row per architecture (mean over that architecture's clients). Two rows whose means differ by less
+than their seed spread (the sum of their standard deviations) are listed as not ranked.
+
+Plots (matplotlib): the kNN accuracy per round of every row on one axis (mean over seeds, with the range of the
+seeds as a band) and the final linear probe of every row (mean, with the standard deviation as an error bar).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from server_app.provenance import config_hash
+
+SCORES = ("linear_probe_acc", "knn_acc")
+IGNORED_FOR_GROUPING = ("seed", "name", "output_dir")
+
+
+@dataclass
+class RunData:
+    folder: Path
+    variant: str
+    seed: int
+    summary: dict[str, Any]
+    rounds: list[dict[str, Any]]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.summary.get("config", {})
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.config.get("federation", {}).get("num_clients", 1) or 1)
+
+    @property
+    def central(self) -> bool:
+        return self.config.get("strategy", {}).get("name") == "central"
+
+    def archs(self) -> list[str]:
+        return sorted((self.summary.get("scores_by_arch") or {}).keys())
+
+
+@dataclass
+class Row:
+    label: str
+    runs: list[RunData] = field(default_factory=list)
+    arch: str | None = None  # a per-architecture row of a multi-encoder run
+    kind: str = "variant"  # "random init", "variant", "centralized"
+
+    def values(self, key: str) -> list[float]:
+        """Per seed (in run order), percent."""
+        out = []
+        for run in self.runs:
+            value = self._value(run, key)
+            if value is not None:
+                out.append(100.0 * float(value))
+        return out
+
+    def _value(self, run: RunData, key: str) -> float | None:
+        s = run.summary
+        if self.kind == "random init":
+            ref = s.get("random_init") or {}
+            arch = self.arch or run.config.get("model", {}).get("arch")
+            base = key.replace("_gain_over_random", "")
+            if key.endswith("_gain_over_random"):
+                return 0.0 if (ref.get(arch) or {}).get(base) is not None else None
+            return (ref.get(arch) or {}).get(key)
+        if self.arch is not None:
+            by_arch = (s.get("scores_by_arch") or {}).get(self.arch) or {}
+            if key.endswith("_gain_over_random"):
+                base = key.replace("_gain_over_random", "")
+                mean, ref = by_arch.get(f"{base}_mean"), ((s.get("random_init") or {}).get(self.arch) or {}).get(base)
+                return None if mean is None or ref is None else mean - ref
+            return by_arch.get(f"{key}_mean")
+        if key.endswith("_gain_over_random"):
+            return s.get(key)
+        return s.get(key)
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def fmt(mean: float | None, std: float | None, digits: int = 2) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+# ---------------------------------------------------------------------------------------------- reading runs
+def read_run(folder: Path, variant: str | None = None, seed: int | None = None) -> RunData | None:
+    """The finished run in ``folder`` (None without ``summary.json``)."""
+    folder = Path(folder)
+    path = folder / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    rounds = []
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file():
+        rounds = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    info = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
+    cfg = summary.get("config", {})
+    if variant is None:
+        variant = info.get("variant")
+    if variant is None:
+        name = str(summary.get("name") or folder.name)
+        suffix = f"-seed{cfg.get('seed')}"
+        variant = name[: -len(suffix)] if name.endswith(suffix) else name
+    return RunData(folder, str(variant), int(seed if seed is not None else info.get("seed", cfg.get("seed", 0))),
+                   summary, rounds)
+
+
+def study_runs(study_dir: Path) -> tuple[list[RunData], list[str]]:
+    """The finished runs of a study folder, in the study's order of variants, and its variant order."""
+    study_dir = Path(study_dir)
+    record = study_record(study_dir)
+    runs = [r for r in (read_run(p) for p in sorted((study_dir / "runs").glob("*"))) if r is not None]
+    order = list((record.get("variants") or {}).keys())
+    for run in runs:
+        if run.variant not in order:
+            order.append(run.variant)
+    runs.sort(key=lambda r: (order.index(r.variant), r.seed))
+    return runs, order
+
+
+def group_runs(runs: Iterable[RunData]) -> tuple[list[RunData], list[str]]:
+    """Runs given one by one: rows by their config without seed, name and output folder."""
+    runs = list(runs)
+    by_hash: dict[str, str] = {}
+    order: list[str] = []
+    for run in runs:
+        cfg = {k: v for k, v in run.config.items() if k not in IGNORED_FOR_GROUPING}
+        key = config_hash(cfg)
+        if key not in by_hash:
+            by_hash[key] = run.variant
+            order.append(run.variant)
+        run.variant = by_hash[key]
+    runs.sort(key=lambda r: (order.index(r.variant), r.seed))
+    return runs, order
+
+
+def build_rows(runs: list[RunData], order: list[str]) -> list[Row]:
+    """The random-init row(s), then every variant (and its per-architecture rows), the centralized one marked."""
+    rows: list[Row] = []
+    by_seed: dict[int, RunData] = {}
+    multi = sorted({a for r in runs for a in r.archs()})
+    for run in runs:  # one reference per seed (every run of a seed starts from the same seeded encoder)
+        if run.summary.get("random_init") and not run.central:
+            by_seed.setdefault(run.seed, run)
+    ref_runs = [by_seed[s] for s in sorted(by_seed)]
+    if ref_runs:
+        archs = multi or [None]
+        for arch in archs:
+            rows.append(Row("random init" + (f" [{arch}]" if arch else ""), ref_runs, arch, "random init"))
+    for variant in order:
+        vr = [r for r in runs if r.variant == variant]
+        if not vr:
+            continue
+        kind = "centralized" if all(r.central for r in vr) else "variant"
+        marked = kind == "centralized" and "central" not in variant.lower()
+        rows.append(Row(variant + (" (centralized reference)" if marked else ""), vr, None, kind))
+        archs = sorted({a for r in vr for a in r.archs()})
+        if len(archs) >= 1 and any(r.summary.get("scores_by_model") for r in vr):
+            for arch in archs:
+                rows.append(Row(f"{variant} [{arch}]", vr, arch, kind))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- tables
+CSV_COLUMNS = ("row", "kind", "arch", "seeds", "linear_probe_mean", "linear_probe_std", "knn_mean", "knn_std",
+               "linear_probe_gain_mean", "linear_probe_gain_std", "linear_probe_per_seed", "gain_per_seed",
+               "rounds", "bytes_up_per_client_mib", "bytes_down_per_client_mib", "client_tflops", "run_s_mean")
+
+
+def row_figures(row: Row) -> dict[str, Any]:
+    lp, knn, gain = row.values("linear_probe_acc"), row.values("knn_acc"), row.values("linear_probe_gain_over_random")
+    out: dict[str, Any] = {"row": row.label, "kind": row.kind, "arch": row.arch or "",
+                           "seeds": " ".join(str(r.seed) for r in row.runs)}
+    for name, values in (("linear_probe", lp), ("knn", knn), ("linear_probe_gain", gain)):
+        m, s = mean_std(values)
+        out[f"{name}_mean"], out[f"{name}_std"] = m, s
+    out["linear_probe_per_seed"] = " ".join(f"{v:.2f}" for v in lp)
+    out["gain_per_seed"] = " ".join(f"{v:+.2f}" for v in gain) if row.kind != "random init" else ""
+    if row.kind == "random init":
+        return out
+    runs = row.runs
+    out["rounds"] = " ".join(sorted({str(r.summary.get("rounds_completed", "")) for r in runs}))
+    out["bytes_up_per_client_mib"] = statistics.mean(r.summary.get("bytes_up_total", 0) / r.num_clients
+                                                     for r in runs) / 2**20
+    out["bytes_down_per_client_mib"] = statistics.mean(r.summary.get("bytes_down_total", 0) / r.num_clients
+                                                       for r in runs) / 2**20
+    flops = [((r.summary.get("resources") or {}).get("run") or {}).get("flops_run") for r in runs]
+    flops = [f for f in flops if f]
+    out["client_tflops"] = statistics.mean(flops) / 1e12 if flops else None
+    out["run_s_mean"] = statistics.mean(float(r.summary.get("run_s", 0.0)) for r in runs)
+    return out
+
+
+def not_ranked(rows: list[Row], figures: list[dict[str, Any]]) -> list[str]:
+    """Pairs of rows (of one architecture) whose linear-probe means differ by less than their seed spread."""
+    notes = []
+    scored = [(r, f) for r, f in zip(rows, figures) if f["linear_probe_mean"] is not None]
+    for i, (ra, fa) in enumerate(scored):
+        for rb, fb in scored[i + 1:]:
+            if ra.arch != rb.arch or (fa["linear_probe_std"] is None and fb["linear_probe_std"] is None):
+                continue
+            spread = (fa["linear_probe_std"] or 0.0) + (fb["linear_probe_std"] or 0.0)
+            gap = abs(fa["linear_probe_mean"] - fb["linear_probe_mean"])
+            if gap < spread:
+                notes.append(f"{ra.label} and {rb.label}: linear probe {fa['linear_probe_mean']:.2f} vs "
+                             f"{fb['linear_probe_mean']:.2f}, {gap:.2f} points apart, less than their seed spread "
+                             f"({spread:.2f}): not ranked")
+    return notes
+
+
+def provenance_lines(runs: list[RunData]) -> list[str]:
+    """What produced the runs (summary.json ``provenance``): one line per distinct environment."""
+    seen: dict[str, list[str]] = {}
+    for run in runs:
+        p = run.summary.get("provenance") or {}
+        if not p:
+            continue
+        info_path = run.folder / "run.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        commit = p.get("git_commit") or info.get("study_git_commit")
+        dirty = p.get("git_dirty") if p.get("git_commit") else info.get("study_git_dirty")
+        v = p.get("versions", {})
+        text = (f"Python {v.get('python', '?')}, torch {v.get('torch', '?')}, torchvision {v.get('torchvision', '?')}, "
+                f"flwr {v.get('flwr', '?')}, numpy {v.get('numpy', '?')}; device {p.get('device', '?')}; "
+                f"app code {str(p.get('app_digest', '?'))[:12]}, commit {commit[:12] if commit else 'unknown'}"
+                f"{' with uncommitted changes' if dirty else ''}")
+        seen.setdefault(text, []).append(f"{run.variant} seed {run.seed}")
+    if not seen:
+        return ["(these runs record no provenance)"]
+    return [f"- {text}: {len(names)} run(s)" for text, names in seen.items()]
+
+
+def scale_line(runs: list[RunData]) -> str:
+    """The runs' scale in words, from the first run's config (what the rows share)."""
+    cfg = runs[0].config
+    d, m, t, f, e = cfg.get("data", {}), cfg.get("model", {}), cfg.get("train", {}), cfg.get("federation", {}), \
+        cfg.get("eval", {})
+    archs = sorted({a for r in runs for a in (r.config.get("model", {}).get("client_archs") or [])}) or [m.get("arch")]
+    return (f"{cfg.get('rounds')} rounds x {t.get('local_epochs')} local epochs, batch {t.get('batch_size')}, "
+            f"{f.get('num_clients')} clients ({d.get('partition')}), {d.get('dataset')} "
+            f"{('max ' + str(d.get('max_train')) + ' train images') if d.get('max_train') else 'all train images'}, "
+            f"{', '.join(map(str, archs))} width {m.get('width')}; scored on {e.get('max_train') or 'all'} labelled "
+            f"train and {e.get('max_test') or 'all'} test images")
+
+
+def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title: str, command: str = "",
+                 missing: list[str] | None = None) -> Path:
+    """Write report.md, report.csv and the plots into ``out_dir``; returns report.md's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = build_rows(runs, order)
+    figures = [row_figures(r) for r in rows]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for f in figures:
+        writer.writerow({k: ("" if f.get(k) is None else (round(f[k], 4) if isinstance(f.get(k), float) else f[k]))
+                         for k in CSV_COLUMNS})
+    (out_dir / "report.csv").write_text(buffer.getvalue())
+    lines = [f"# {title}", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    if runs:
+        lines += [f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
+                  "Accuracies in %; mean ± sample standard deviation over the row's seeds (no ± with one seed); "
+                  "gain = linear probe minus the same seed's random-init encoder, in points.", ""]
+    lines += ["| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
+              "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in figures:
+        def num(key: str, digits: int = 1) -> str:
+            return "-" if f.get(key) is None else f"{f[key]:,.{digits}f}"
+
+        lines.append(f"| {f['row']} | {f['seeds']} | {fmt(f['linear_probe_mean'], f['linear_probe_std'])} | "
+                     f"{fmt(f['knn_mean'], f['knn_std'])} | "
+                     f"{fmt(f['linear_probe_gain_mean'], f['linear_probe_gain_std']) if f['kind'] != 'random init' else '0'} | "
+                     f"{f['linear_probe_per_seed'] or '-'} | {f['gain_per_seed'] or '-'} | {f.get('rounds') or '-'} | "
+                     f"{num('bytes_up_per_client_mib')} | {num('bytes_down_per_client_mib')} | {num('client_tflops')} | "
+                     f"{num('run_s_mean', 0)} |")
+    notes = not_ranked(rows, figures)
+    if notes:
+        lines += ["", "Within their seed spread (not ranked):", ""] + [f"- {n}" for n in notes]
+    if missing:
+        lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
+    plots = draw_plots(out_dir, rows)
+    if plots:
+        lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]
+    lines += ["", "Produced by:", "", *provenance_lines(runs), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
+    """curves.png (kNN per round, mean and range over seeds, every non-reference row) and scores.png (final linear
+    probe per row, mean ± std); nothing when no run has a score to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = 0
+    for row in rows:
+        if row.kind == "random init":
+            continue
+        curves: dict[int, list[float]] = {}
+        for run in row.runs:
+            for record in run.rounds:
+                value = record.get("knn_acc")
+                if row.arch is not None:
+                    by_model = record.get("knn_acc_by_model") or {}
+                    archs = run.config.get("model", {}).get("client_archs") or []
+                    vals = [v for name, v in by_model.items() if v is not None and name.startswith("client_")
+                            and int(name.split("_")[1]) < len(archs) and archs[int(name.split("_")[1])] == row.arch]
+                    value = statistics.mean(vals) if vals else None
+                elif record.get("knn_acc_by_model") and row.runs[0].summary.get("scores_by_model"):
+                    continue  # the per-architecture rows draw these runs
+                if value is not None:
+                    curves.setdefault(int(record["round"]), []).append(100 * float(value))
+        if not curves:
+            continue
+        xs = sorted(curves)
+        mean = [statistics.mean(curves[x]) for x in xs]
+        line, = ax.plot(xs, mean, marker="o", markersize=3, label=row.label)
+        if any(len(curves[x]) > 1 for x in xs):
+            ax.fill_between(xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], alpha=0.15,
+                            color=line.get_color())
+        drawn += 1
+    if drawn:
+        references = [r for r in rows if r.kind == "random init"]
+        for row in references:  # each seed's initial encoder: a dashed level per architecture
+            values = row.values("knn_acc")
+            if values:
+                ax.axhline(statistics.mean(values), color="0.5", linestyle="--", linewidth=1, label=f"{row.label} (kNN)")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.set_ylabel("kNN accuracy (%)")
+        ax.set_title("kNN accuracy per round (mean over seeds; band: their range)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out_dir / "curves.png", dpi=120)
+        written.append(out_dir / "curves.png")
+    plt.close(fig)
+    scored = [(r, mean_std(r.values("linear_probe_acc"))) for r in rows]
+    scored = [(r, m, s) for r, (m, s) in scored if m is not None]
+    if scored:
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(scored) + 2), 4.5))
+        colors = ["0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
+                  for r, _, _ in scored]
+        ax.bar(range(len(scored)), [m for _, m, _ in scored], yerr=[s or 0.0 for _, _, s in scored], capsize=3,
+               color=colors)
+        ax.set_xticks(range(len(scored)), [r.label for r, _, _ in scored], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("linear probe accuracy (%)")
+        ax.set_title("final linear probe (mean ± std over seeds)")
+        low = min(m - (s or 0.0) for _, m, s in scored)
+        ax.set_ylim(max(0.0, low - 5), None)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "scores.png", dpi=120)
+        written.append(out_dir / "scores.png")
+        plt.close(fig)
+    return written
+
+
+def study_record(study_dir: Path) -> dict[str, Any]:
+    """The ``study.yaml`` a study run wrote (its name, command, variants), or {}."""
+    path = Path(study_dir) / "study.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def report_study(study_dir: Path, command: str = "") -> Path:
+    """``fedssl-study report``: the report of a study folder (every finished run)."""
+    study_dir = Path(study_dir)
+    runs, order = study_runs(study_dir)
+    unfinished = sorted(p.name for p in (study_dir / "runs").glob("*") if not (p / "summary.json").is_file()) \
+        if (study_dir / "runs").is_dir() else []
+    record = study_record(study_dir)
+    return write_report(study_dir, runs, order, title=f"Study {record.get('study', study_dir.name)}",
+                        command=command or record.get("command", ""), missing=unfinished)
+
+
+def report_runs(folders: list[Path], out_dir: Path, command: str = "") -> Path:
+    """``fedssl-report RUN_DIR...``: the report of any set of finished runs."""
+    runs = []
+    for folder in folders:
+        run = read_run(folder)
+        if run is None:
+            raise FileNotFoundError(f"{folder}: no summary.json (not a finished run folder)")
+        runs.append(run)
+    runs, order = group_runs(runs)
+    return write_report(out_dir, runs, order, title="Runs compared", command=command)

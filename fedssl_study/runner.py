@@ -1,0 +1,205 @@
+"""Running a study: every (variant, seed) as a real ``flwr run``, one after another, into one folder.
+
+```
+<study-dir>/
+  study.yaml                     the study as run (its file, the overrides given, the command)
+  runs/<variant>-seed<N>/        one run: config.yaml (the resolved experiment), run.json (its flwr run ids and
+                                 outcome), and what the ServerApp writes: progress.log, metrics.jsonl,
+                                 summary.json, model.pt, checkpoints/
+  report.md, report.csv, curves.png, scores.png
+```
+
+One run at a time (one simulation per machine: two runs sharing the cores are many times slower than one after the
+other). A run whose folder holds ``summary.json`` is finished and skipped; one that holds a checkpoint is resumed
+from it (``resume=<run folder>``); one that stopped before its first checkpoint starts again. Ctrl-C (or SIGTERM)
+stops the run under way for real (``flwr stop``, then the private SuperLink with its simulation), writes the report
+of what has finished, and leaves the study resumable: the same command continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from .launcher import LaunchError, Launcher
+from server_app.provenance import config_hash, git_state
+
+from .spec import Study, slug, validate_experiment
+
+RUNS = "runs"
+
+
+@dataclass
+class RunOutcome:
+    variant: str
+    seed: int
+    folder: Path
+    status: str  # "finished" (summary.json written), "skipped" (finished earlier), "failed", "interrupted"
+    seconds: float = 0.0
+    reason: str = ""
+
+
+def run_folder(study_dir: Path, variant: str, seed: int) -> Path:
+    return Path(study_dir) / RUNS / f"{slug(variant)}-seed{seed}"
+
+
+def has_checkpoint(folder: Path) -> bool:
+    from server_app.checkpoint import complete_checkpoints
+
+    return folder.is_dir() and bool(complete_checkpoints(folder))
+
+
+def last_progress_line(folder: Path) -> str:
+    path = folder / "progress.log"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return lines[-1] if lines else ""
+
+
+def rounds_done(folder: Path) -> int:
+    path = folder / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class StudyRunner:
+    """Runs a ``Study`` into ``study_dir`` through a ``Launcher``; ``say`` prints a progress line."""
+
+    def __init__(self, study: Study, study_dir: Path, launcher: Launcher, *, say: Callable[[str], None] = print,
+                 poll_s: float = 3.0, run_timeout_s: float | None = None, command: str = "") -> None:
+        self.study, self.dir, self.launcher, self.say = study, Path(study_dir).resolve(), launcher, say
+        self.poll_s, self.run_timeout_s, self.command = poll_s, run_timeout_s, command
+        self.durations: list[float] = []  # wall time of the runs finished by this invocation (the ETA)
+
+    def write_study_record(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record = {"study": self.study.name, "file": str(self.study.path), "base": str(self.study.base),
+                  "seeds": self.study.seeds, "overrides": self.study.overrides, "variants": self.study.variants,
+                  "command": self.command, "description": self.study.description}
+        (self.dir / "study.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+
+    def run(self) -> list[RunOutcome]:
+        """Every run of the study; returns their outcomes (an interrupted study ends with an "interrupted" one)."""
+        self.write_study_record()
+        runs = self.study.runs()
+        outcomes: list[RunOutcome] = []
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            for index, (variant, seed) in enumerate(runs, 1):
+                outcome = self.run_one(index, len(runs), variant, seed)
+                outcomes.append(outcome)
+                if outcome.status == "interrupted":
+                    break
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.launcher.close()
+        return outcomes
+
+    def eta(self, remaining_runs: int, current_elapsed: float, current_fraction: float) -> str:
+        """The study's remaining time from the runs this invocation finished (or, before any, the current run's
+        pace)."""
+        if self.durations:
+            per_run = statistics.mean(self.durations)
+        elif current_fraction > 0:
+            per_run = current_elapsed / current_fraction
+        else:
+            return "ETA after the first round"
+        left = max(0.0, per_run - current_elapsed) + per_run * remaining_runs
+        return f"study ETA {_clock(left)}"
+
+    def run_one(self, index: int, total: int, variant: str, seed: int) -> RunOutcome:
+        folder = run_folder(self.dir, variant, seed)
+        head = f"[{index}/{total}] {variant}, seed {seed}"
+        if (folder / "summary.json").is_file():
+            self.say(f"{head}: finished earlier, skipped ({folder})")
+            return RunOutcome(variant, seed, folder, "skipped")
+        tree = self.study.variant_tree(variant, seed)
+        tree["output_dir"] = str(folder)
+        cfg = validate_experiment(tree)
+        resume = has_checkpoint(folder)
+        if folder.exists() and not resume:  # stopped before its first checkpoint: nothing to continue from
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        resolved = cfg.to_dict()
+        (folder / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        info_path = folder / "run.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {"attempts": []}
+        commit, dirty = git_state()
+        info.update(variant=variant, seed=seed, study=self.study.name, config_hash=config_hash(resolved),
+                    study_git_commit=commit, study_git_dirty=dirty)
+        run_config = (f"resume='{folder}'" if resume else f"config='{folder / 'config.yaml'}' output-dir='{folder}'")
+        self.say(f"{head}: {'resuming after round ' + str(rounds_done(folder)) if resume else 'starting'} "
+                 f"({cfg.rounds} rounds, {cfg.federation.num_clients} clients) in {folder}")
+        started = time.monotonic()
+        try:
+            run_id = self.launcher.submit(run_config, cfg.federation.num_clients)
+        except LaunchError as exc:
+            return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", 0.0, str(exc)), head)
+        info["attempts"].append({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "resumed": resume})
+        info_path.write_text(json.dumps(info, indent=2))
+        seen = -1
+        try:
+            while True:
+                status = self.launcher.status(run_id)
+                done = rounds_done(folder)
+                if done != seen:
+                    seen = done
+                    elapsed = time.monotonic() - started
+                    remaining = total - index
+                    self.say(f"{head}: round {done}/{cfg.rounds}, {_clock(elapsed)} in this run; "
+                             f"{self.eta(remaining, elapsed, done / cfg.rounds)}")
+                if status is not None:
+                    break
+                if self.run_timeout_s and time.monotonic() - started > self.run_timeout_s:
+                    self.launcher.stop(run_id)
+                    return self._finish(info, info_path, RunOutcome(
+                        variant, seed, folder, "failed", time.monotonic() - started,
+                        f"no result after {self.run_timeout_s:.0f} s (--run-timeout); stopped"), head)
+                time.sleep(self.poll_s)
+        except KeyboardInterrupt:
+            self.say(f"{head}: interrupted: stopping run {run_id} (the study continues from its last checkpoint "
+                     "when started again)")
+            self.launcher.stop(run_id)
+            self.launcher.close()
+            return self._finish(info, info_path, RunOutcome(variant, seed, folder, "interrupted",
+                                                            time.monotonic() - started, "interrupted"), head)
+        seconds = time.monotonic() - started
+        if (folder / "summary.json").is_file():
+            self.durations.append(seconds)
+            return self._finish(info, info_path, RunOutcome(variant, seed, folder, "finished", seconds), head)
+        reason = last_progress_line(folder) or f"flwr status {status}, no summary.json"
+        return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", seconds, reason), head)
+
+    def _finish(self, info: dict, info_path: Path, outcome: RunOutcome, head: str) -> RunOutcome:
+        if info.get("attempts"):
+            info["attempts"][-1].update(outcome=outcome.status, seconds=round(outcome.seconds, 1),
+                                        reason=outcome.reason)
+        info_path.parent.mkdir(parents=True, exist_ok=True)
+        info_path.write_text(json.dumps(info, indent=2))
+        if outcome.status == "finished":
+            summary = json.loads((outcome.folder / "summary.json").read_text())
+            lp, knn = summary.get("linear_probe_acc"), summary.get("knn_acc")
+            scores = ", ".join(f"{name} {100 * v:.2f} %" for name, v in (("linear probe", lp), ("kNN", knn))
+                               if v is not None)
+            self.say(f"{head}: done in {_clock(outcome.seconds)}: {scores}")
+        elif outcome.status == "failed":
+            self.say(f"{head}: FAILED: {outcome.reason}")
+        return outcome
+
+
+def _raise_keyboard_interrupt(signum, frame):  # SIGTERM: stop as Ctrl-C does
+    raise KeyboardInterrupt

@@ -1,0 +1,200 @@
+"""Studies: the study file's checks, the report's figures against hand computations, and `fedssl-study run` end to
+end (real `flwr run` simulations: interrupted with Ctrl-C, resumed, skipped when finished)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedssl_study.launcher import processes_with_env
+from fedssl_study.report import report_runs, study_runs, write_report
+from fedssl_study.runner import has_checkpoint
+from fedssl_study.spec import load_study, slug
+from ssl_models.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, tree) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tree if isinstance(tree, str) else yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- the study file
+def test_a_study_resolves_every_run_from_its_base_and_variants(tmp_path):
+    study = load_study(write(tmp_path / "s.yaml", {
+        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [3, 4],
+        "overrides": {"data.dataset": "synthetic"},
+        "variants": {"FedBYOL": {}, "FedU (0.2)": {"strategy": {"name": "fedu", "options": {"threshold": 0.2}}},
+                     "central": {"strategy.name": "central"}}}), {"eval.max_test": 50})
+    assert study.runs()[:3] == [("FedBYOL", 3), ("FedU (0.2)", 3), ("central", 3)]  # seed-major
+    tree = study.variant_tree("FedU (0.2)", 4)
+    assert tree["seed"] == 4 and tree["name"] == "demo-fedu-0.2-seed4" and tree["strategy"]["options"] == {
+        "threshold": 0.2}
+    assert tree["data"]["dataset"] == "synthetic" and tree["eval"]["max_test"] == 50 and tree["rounds"] == 2
+    assert slug("FedEMA (autoscaler, tau 0.7)") == "fedema-autoscaler-tau-0.7"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"variants": {"bad": {"train.learning_rate": 0.1}}}, r"^variants.bad \(seed 0\): train.learning_rate"),
+    ({"variants": {"bad": {"strategy.options.tua": 0.5, "strategy.name": "fedema"}}},
+     r"^variants.bad \(seed 0\): strategy.options.tua: unknown option"),
+    ({"base": "nowhere.yaml"}, r"^base: 'nowhere.yaml' not found"),
+    ({"seeds": [0, "one"]}, r"^seeds: must be a non-empty list of integers"),
+    ({"seeds": [0, 0]}, r"^seeds: lists a seed twice"),
+    ({"variants": {}}, r"^variants: a study lists at least one variant"),
+    ({"runs": 3}, r"^runs: unknown study key"),
+])
+def test_a_bad_study_stops_before_any_run_naming_the_key(tmp_path, change, message):
+    spec = {"base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0], "variants": {"ok": {}}, **change}
+    with pytest.raises(ConfigError, match=message):
+        load_study(write(tmp_path / "s.yaml", spec), {"data.dataset": "synthetic"})
+
+
+def test_the_cli_refuses_a_bad_study_with_exit_2_and_one_line(tmp_path):
+    path = write(tmp_path / "s.yaml", {"base": str(REPO / "configs" / "smoke.yaml"),
+                                       "variants": {"typo": {"federation.num_client": 3}}})
+    proc = subprocess.run([sys.executable, "-m", "fedssl_study.cli", "run", str(path), "--out", str(tmp_path / "o")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not (tmp_path / "o").exists()
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("fedssl-study: variants.typo (seed 0): federation.num_client: unknown key")
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def fake_run(folder: Path, variant: str, seed: int, lp: float, knn: float, rand_lp: float, strategy="fedssl",
+             rounds=3) -> None:
+    folder.mkdir(parents=True)
+    summary = {"name": f"s-{slug(variant)}-seed{seed}", "linear_probe_acc": lp, "knn_acc": knn,
+               "random_init": {"resnet18": {"linear_probe_acc": rand_lp, "knn_acc": 0.2}},
+               "linear_probe_gain_over_random": lp - rand_lp, "rounds_completed": rounds,
+               "bytes_up_total": 8 * 2**20, "bytes_down_total": 4 * 2**20, "run_s": 100.0 + seed,
+               "resources": {"run": {"flops_run": 2e12}},
+               "config": {"seed": seed, "rounds": rounds, "federation": {"num_clients": 2},
+                          "model": {"arch": "resnet18", "width": 0.25}, "strategy": {"name": strategy},
+                          "data": {"dataset": "cifar10", "partition": "iid", "max_train": 1000},
+                          "train": {"local_epochs": 1, "batch_size": 32}, "eval": {}}}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "knn_acc": knn * r / rounds}) + "\n"
+                                                  for r in range(1, rounds + 1)))
+    (folder / "run.json").write_text(json.dumps({"variant": variant, "seed": seed}))
+
+
+def table_rows(report: Path) -> dict[str, list[str]]:
+    rows = {}
+    for line in report.read_text().splitlines():
+        if line.startswith("| ") and not line.startswith("| row ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked(tmp_path):
+    values = {"A": [(0.40, 0.30), (0.44, 0.34)], "B": [(0.41, 0.31), (0.425, 0.32)], "C": [(0.60, 0.5), (0.62, 0.5)]}
+    rand = [0.33, 0.35]
+    for variant, pairs in values.items():
+        for seed, (lp, knn) in enumerate(pairs):
+            fake_run(tmp_path / "runs" / f"{slug(variant)}-seed{seed}", variant, seed, lp, knn, rand[seed],
+                     strategy="central" if variant == "C" else "fedssl")
+    runs, order = study_runs(tmp_path)
+    report = write_report(tmp_path, runs, order, title="t")
+    rows = table_rows(report)
+    assert set(rows) == {"random init", "A", "B", "C (centralized reference)"}
+    for variant, pairs in values.items():
+        cells = rows["C (centralized reference)" if variant == "C" else variant]
+        lp = [100 * p[0] for p in pairs]
+        gain = [100 * p[0] - 100 * r for p, r in zip(pairs, rand)]
+        assert cells[2] == f"{statistics.mean(lp):.2f} ± {statistics.stdev(lp):.2f}"
+        assert cells[3] == f"{statistics.mean(100 * p[1] for p in pairs):.2f} ± " \
+                           f"{statistics.stdev([100 * p[1] for p in pairs]):.2f}"
+        assert cells[4] == f"{statistics.mean(gain):.2f} ± {statistics.stdev(gain):.2f}"
+        assert cells[5] == " ".join(f"{v:.2f}" for v in lp)
+        assert cells[8] == "4.0" and cells[9] == "2.0" and cells[10] == "2.0"  # MiB per client, TFLOP
+    assert rows["random init"][2] == f"{statistics.mean([33.0, 35.0]):.2f} ± {statistics.stdev([33.0, 35.0]):.2f}"
+    text = report.read_text()
+    assert "A and B: linear probe" in text and "not ranked" in text  # 42.0 vs 41.75, spread 2.83 + 1.06
+    assert "C (centralized reference) and" not in text.split("not ranked")[0].split("\n")[-1]
+    csv_lines = (tmp_path / "report.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("row,kind,arch,seeds,linear_probe_mean") and len(csv_lines) == 5
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "scores.png").is_file()
+    # fedssl-report on run folders: the seeds of one experiment form one row, named after the study's variant
+    # when the run has one (run.json), else after the run without its -seed<N>
+    other = report_runs(sorted((tmp_path / "runs").glob("a-seed*")), tmp_path / "cmp")
+    assert list(table_rows(other)) == ["random init", "A"]
+    for seed in (0, 1):
+        (tmp_path / "runs" / f"b-seed{seed}" / "run.json").unlink()
+    named = report_runs(sorted((tmp_path / "runs").glob("b-seed*")), tmp_path / "cmp2")
+    assert list(table_rows(named)) == ["random init", "s-b"]
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+STUDY = {"study": "e2e", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0, 1],
+         "overrides": {"data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
+                       "rounds": 3, "train.max_steps_per_epoch": 2, "eval": {"max_train": 120, "max_test": 60,
+                                                                              "probe_epochs": 3, "knn_k": 10}},
+         "variants": {"FedBYOL": {}, "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}}}
+
+
+def study_cli(study: Path, out: Path, *extra: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models on a shared 2-core machine
+    return subprocess.Popen([sys.executable, "-m", "fedssl_study.cli", "run", str(study), "--out", str(out), *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.e2e
+def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tmp_path):
+    study = write(tmp_path / "study.yaml", STUDY)
+    out = tmp_path / "out"
+    first_run = out / "runs" / "fedbyol-seed0"
+    # 1. Interrupted: Ctrl-C once the first run has its round-1 checkpoint (and no result yet)
+    proc = study_cli(study, out)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and not has_checkpoint(first_run):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    assert has_checkpoint(first_run)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted: stopping run" in output and not (first_run / "summary.json").is_file()
+    assert processes_with_env("FLWR_HOME", str(out / ".flwr")) == []  # the simulation is gone, not only the stream
+    rounds_then = (first_run / "metrics.jsonl").read_text()
+    time.sleep(3)
+    assert (first_run / "metrics.jsonl").read_text() == rounds_then  # nothing trains on for the stopped run
+    # 2. The same command: the interrupted run resumes from its checkpoint, the others run
+    proc = study_cli(study, out)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output
+    assert re.search(r"\[1/4\] FedBYOL, seed 0: resuming after round [12]", output), output
+    info = json.loads((first_run / "run.json").read_text())
+    assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
+    assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 3
+    # 3. Once more: every run finished earlier, nothing runs
+    proc = study_cli(study, out)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and output.count("finished earlier, skipped") == 4, output
+    # The report's rows are the runs' summary.json values, mean and std recomputed here
+    rows = table_rows(out / "report.md")
+    for variant in ("FedBYOL", "FedEMA"):
+        summaries = [json.loads((out / "runs" / f"{slug(variant)}-seed{s}" / "summary.json").read_text())
+                     for s in (0, 1)]
+        for column, key in ((2, "linear_probe_acc"), (3, "knn_acc"), (4, "linear_probe_gain_over_random")):
+            values = [100 * s[key] for s in summaries]
+            assert rows[variant][column] == f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+        assert rows[variant][1] == "0 1"
+        assert all(s["provenance"]["versions"]["flwr"] and s["provenance"]["config_hash"] for s in summaries)
+    assert (out / "report.csv").is_file() and (out / "curves.png").is_file() and (out / "scores.png").is_file()
+    resolved = yaml.safe_load((out / "runs" / "fedema-seed1" / "config.yaml").read_text())
+    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 1 and resolved["rounds"] == 3
+    assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
