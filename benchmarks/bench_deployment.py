@@ -14,7 +14,7 @@ benchmarks/results/deployment.{json,md}.
 Containers (`--isolation containers`, or a list such as `subprocess,containers`): the README's one-host compose
 block, docker/compose.yml + docker/compose.tls.yml (process isolation, TLS + SuperNode authentication, each
 component in its own container), on a Docker engine that runs or that the benchmark starts (as root) and stops,
-with the images of tests/docker_engine.py (built or reused); the run config carries the same settings.
+with the images of docker/docker_engine.py (built or reused); the run config carries the same settings.
 
 Usage: python benchmarks/bench_deployment.py --data /path/cifar10.npz [--rounds 4] [--isolation both]
 """
@@ -37,12 +37,11 @@ import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "docker"))  # compose_native, docker_engine
 
 from compose_native import kill_group, wait_for  # noqa: E402
-from flwr_harness import free_port, kill_processes_with_env, read_jsonl  # noqa: E402
-from runs import run_experiment  # noqa: E402
+from fedssl_study.launcher import free_port, kill_processes_with_env, read_jsonl, run_experiment  # noqa: E402
 
 MARKER = "FEDSSL_BENCH_DEPLOYMENT"
 BIN = Path(sys.executable).parent

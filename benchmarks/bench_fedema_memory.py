@@ -24,9 +24,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
-from flwr_harness import flwr_run, processes_with_env, read_jsonl  # noqa: E402
+from fedssl_study.launcher import flwr_run, processes_with_env, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_fedema_memory import PeakSampler  # noqa: E402
-from flwr_harness import flwr_run, read_jsonl  # noqa: E402
+from fedssl_study.launcher import flwr_run, read_jsonl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from ssl_models.data.augment import SSLAugment  # noqa: E402
 from ssl_models.config import ExperimentConfig  # noqa: E402
@@ -91,7 +90,7 @@ def bench_throughput(images: np.ndarray, steps: int, batch: int) -> dict:
 
 
 def bench_overhead(npz: Path, steps: int, rounds: int, width: float) -> dict:
-    from flwr_harness import flwr_run, read_jsonl
+    from fedssl_study.launcher import flwr_run, read_jsonl
 
     raw = {
         "name": "bench-overhead", "seed": 0, "rounds": rounds,

@@ -8,7 +8,7 @@ K client models in this process, trained one after the other with the clients' o
 messages, no subprocesses, no per-round evaluation unless asked, so a pilot costs its training time and little
 more. The data are drawn as the app draws them in spirit, not bit for bit (a class-stratified subset, a Dirichlet
 split), so a pilot's figures are for choosing a recipe; the comparison itself runs through `flwr run`
-(benchmarks/compare_fedema_cpu.py).
+(configs/studies/cpu/fedema-family.yaml).
 
 Scored with the project's protocol (``evaluate_backbone``: standardised backbone features, kNN and a 100-epoch
 linear probe) on 5 000 labelled train images and all test images, before training (the random-init reference

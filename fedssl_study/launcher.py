@@ -169,3 +169,55 @@ class Launcher:
         """Stop the private SuperLink and everything it started (its simulation, Ray workers)."""
         if self.private_home is not None:
             kill_processes_with_env("FLWR_HOME", str(self.private_home))
+
+
+# ---------------------------------------------------------------------------------------------- one blocking run
+def flwr_env(flwr_home: Path) -> dict[str, str]:
+    """The environment of a private local SuperLink: its own FLWR_HOME and free ports, no runtime dependency
+    installation, no telemetry, this Python environment's console scripts on PATH."""
+    env = dict(os.environ)
+    env.update({"FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+                "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"})
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def flwr_run(run_config: str, flwr_home: Path, timeout_s: float = 600, federation_config: str | None = None,
+             app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
+    """``flwr run <app> --stream`` on a private local SuperLink (``flwr_home``); returns the finished process (output
+    captured) after stopping every process that SuperLink started, so no daemon outlives the call."""
+    cmd = [flwr_cli(), "run", str(app_dir), "--stream", "--run-config", run_config]
+    if federation_config:
+        cmd += ["--federation-config", federation_config]
+    try:
+        return subprocess.run(cmd, cwd=app_dir, env=flwr_env(flwr_home), capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    finally:
+        kill_processes_with_env("FLWR_HOME", str(flwr_home))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_experiment(raw: dict, timeout_s: float = 3600, keep_dir: Path | None = None) -> dict:
+    """Write ``raw`` (an experiment config) to a folder, run it as a simulation of ``federation.num_clients``
+    SuperNodes, and return {"summary", "rounds", "run_s"}; a failed run raises with the tail of its output. The folder
+    is a temporary one unless ``keep_dir`` names one."""
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(keep_dir) if keep_dir is not None else Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cfg.yaml").write_text(yaml.safe_dump(raw))
+        t0 = time.perf_counter()
+        proc = flwr_run(f"config='{folder / 'cfg.yaml'}' output-dir='{folder / 'out'}'", folder / "flwr",
+                        federation_config=f"num-supernodes={raw['federation']['num_clients']}", timeout_s=timeout_s)
+        summary = folder / "out" / "summary.json"
+        if not summary.is_file():
+            raise RuntimeError(f"{raw.get('name')} failed:\n" + (proc.stdout + proc.stderr)[-3000:])
+        return {"summary": json.loads(summary.read_text()), "rounds": read_jsonl(folder / "out" / "metrics.jsonl"),
+                "run_s": time.perf_counter() - t0}

@@ -46,6 +46,10 @@ class Study:
         """Every (variant, seed), seed-major: a study stopped part-way has every variant of its first seeds."""
         return [(variant, seed) for seed in self.seeds for variant in self.variants]
 
+    def experiment(self, variant: str, seed: int | None = None):
+        """The validated ExperimentConfig of one run (the first seed by default), options' defaults filled in."""
+        return validate_experiment(self.variant_tree(variant, self.seeds[0] if seed is None else seed))
+
     def variant_tree(self, variant: str, seed: int) -> dict[str, Any]:
         """The raw experiment config of one run (not validated): base, study overrides, the variant's, the seed
         and a name saying which run it is."""

@@ -7,8 +7,9 @@ anything starts: unknown keys, wrong types and impossible values raise ``ConfigE
 
 **Composition** (``load_config_tree``): a YAML experiment may name a ``base`` experiment (a path relative to its
 own file; chains allowed, cycles refused) and hold only what differs. Mappings merge key by key, any other value
-(a number, a string, a list) replaces the base's, a ``null`` removes the key (its default applies again: e.g.
-``strategy.options: null`` when a variant switches to a strategy that takes other options), and a dotted key
+(a number, a string, a list) replaces the base's, a ``null`` removes the key (its default applies again), a
+mapping holding ``_replace: true`` replaces the base's mapping whole (``strategy: {_replace: true, name: fedu,
+options: {threshold: 0.4}}``: a variant that switches to a strategy with other options), and a dotted key
 (``strategy.options.mu: 0.1``) is the same as the nested mappings it names. A small resolver of our own rather than
 OmegaConf: the merge is all this needs, and its errors stay one line naming the file and the key.
 
@@ -424,31 +425,46 @@ def read_yaml_mapping(path: str | Path, what: str = "config") -> dict:
 
 def expand_dotted(tree: Mapping[str, Any], where: str = "") -> dict:
     """``tree`` with every dotted key (``a.b: v``) turned into nested mappings (``a: {b: v}``), at every level;
-    a key given both ways is merged as ``merge_config`` merges (the dotted one last)."""
+    a key given both ways is combined key by key (the dotted one last). ``null`` values are kept: they mean
+    something to ``merge_config``."""
     out: dict = {}
-    dotted = []
-    for key, value in tree.items():
+
+    def put(node: dict, parts: list[str], value: Any, at: str) -> None:
+        head = parts[0]
+        if not head:
+            raise ConfigError(f"{at}: empty part in a dotted key")
+        if len(parts) == 1:
+            if isinstance(value, Mapping) and isinstance(node.get(head), dict):
+                for k, v in expand_dotted(value, f"{at}.").items():
+                    put(node[head], [k], v, f"{at}.{k}")
+            else:
+                node[head] = expand_dotted(value, f"{at}.") if isinstance(value, Mapping) else value
+            return
+        child = node.get(head)
+        if not isinstance(child, dict):
+            child = node[head] = {}
+        put(child, parts[1:], value, at)
+
+    for key, value in sorted(tree.items(), key=lambda kv: "." in str(kv[0])):  # plain keys first, dotted last
         if not isinstance(key, str):
             raise ConfigError(f"{where or 'config'}: keys must be strings, got {key!r}")
-        if "." in key:
-            dotted.append((key, value))
-        else:
-            out[key] = expand_dotted(value, f"{where}{key}.") if isinstance(value, Mapping) else value
-    for key, value in dotted:
-        head, _, rest = key.partition(".")
-        if not head or not rest:
-            raise ConfigError(f"{where}{key}: empty part in a dotted key")
-        out = merge_config(out, {head: expand_dotted({rest: value}, f"{where}{head}.")})
+        put(out, key.split("."), value, f"{where}{key}")
     return out
+
+
+REPLACE_KEY = "_replace"
 
 
 def merge_config(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
     """``override`` over ``base`` (neither is changed): mappings merge key by key, other values replace, ``None``
-    removes the key (its default applies), dotted keys name nested mappings."""
+    removes the key (its default applies), a mapping with ``_replace: true`` replaces the base's whole, dotted keys
+    name nested mappings."""
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
     for key, value in expand_dotted(override).items():
         if value is None:
             out.pop(key, None)
+        elif isinstance(value, Mapping) and value.get(REPLACE_KEY) is True:
+            out[key] = _drop_nones({k: v for k, v in value.items() if k != REPLACE_KEY})
         elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = merge_config(out[key], value)
         else:
@@ -457,7 +473,10 @@ def merge_config(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
 
 
 def _drop_nones(tree: Mapping[str, Any]) -> dict:
-    return {k: (_drop_nones(v) if isinstance(v, Mapping) else v) for k, v in tree.items() if v is not None}
+    if REPLACE_KEY in tree and tree[REPLACE_KEY] not in (True, False):
+        raise ConfigError(f"{REPLACE_KEY}: must be true or false (got {tree[REPLACE_KEY]!r})")
+    return {k: (_drop_nones(v) if isinstance(v, Mapping) else v) for k, v in tree.items()
+            if v is not None and k != REPLACE_KEY}
 
 
 def config_chain(path: str | Path) -> list[Path]:

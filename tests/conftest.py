@@ -6,10 +6,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "docker"))  # compose_native, docker_engine: shared with benchmarks/bench_deployment.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 NO_SKIP_VARIABLE = "FEDSSL_NO_SKIP"
+STUDIES = REPO / "configs" / "studies"
+
+
+def experiment_config_files(folder: Path = REPO / "configs") -> list[Path]:
+    """Every shipped experiment config under ``folder`` (study files, under configs/studies/, are not configs)."""
+    return sorted(p for p in Path(folder).rglob("*.yaml") if STUDIES not in p.parents)
+
+
+def study_files() -> list[Path]:
+    return sorted(STUDIES.rglob("*.yaml"))
+
+
+def study_experiments(name: str) -> dict:
+    """variant -> validated ExperimentConfig of ``configs/studies/<name>.yaml`` (its first seed)."""
+    from fedssl_study.spec import load_study
+
+    study = load_study(STUDIES / f"{name}.yaml", validate=False)
+    return {variant: study.experiment(variant) for variant in study.variants}
 
 
 def skip_unless_required(reason: str) -> None:

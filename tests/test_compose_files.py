@@ -2,7 +2,7 @@
 
 Every compose configuration the README documents (the single-host file alone, with its TLS overlay or
 its GPU overlay, the SuperLink machine's file, a client machine's file alone or with its GPU overlay) is
-read with ``tests/compose_native.py`` and checked against the installed Flower: each command's options
+read with ``docker/compose_native.py`` and checked against the installed Flower: each command's options
 exist, addresses dial services of the same project on the ports they listen on, the TLS files leave no
 insecure hop to the SuperLink, GPU overlays reserve a GPU for the ClientApp executors, and every image
 tag is the installed Flower version. The app image's requirement step and the two secret scripts run

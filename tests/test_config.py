@@ -1,16 +1,20 @@
 """Config loading and validation: every error names the bad key; pyproject lists every override key."""
 
+import hashlib
+import json
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from conftest import experiment_config_files, study_files
+
 from server_app.experiment import load_experiment, option_run_keys, overrides_from_run_config
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+CONFIGS = experiment_config_files()
 
 
 def test_defaults_validate():
@@ -203,3 +207,41 @@ def test_run_config_sets_component_options_by_dotted_key(tmp_path):
                          "strategy.options.stages": 3})
     with pytest.raises(ConfigError, match=r"^strategy.options.tua: unknown run-config key"):
         overrides_from_run_config({"strategy.options.tua": 0.5})
+
+
+# ---------------------------------------------------------------------------------------------- shipped configs
+SNAPSHOT = json.loads((REPO / "tests" / "config_snapshot.json").read_text())
+
+
+def resolved_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in config.items() if k != "name"}, sort_keys=True).encode()
+                          ).hexdigest()
+
+
+@pytest.mark.parametrize("old", sorted(SNAPSHOT))
+def test_every_former_config_resolves_to_what_it_was(old):
+    """tests/config_snapshot.json: the 218 experiment configs as they resolved before their families were collapsed
+    onto bases and study files (their name aside: a study names each run itself), and where each lives now: the
+    same file (shorter, over a base) or a study's variant (``study#variant``)."""
+    from fedssl_study.spec import load_study
+
+    entry = SNAPSHOT[old]
+    if "#" in entry["now"]:
+        study_path, variant = entry["now"].split("#")
+        tree = load_study(REPO / study_path, validate=False).variant_tree(variant, 0)
+        config = ExperimentConfig.from_dict(tree).to_dict()
+    else:
+        config = ExperimentConfig.from_yaml(REPO / entry["now"]).to_dict()
+    assert resolved_hash(config) == entry["sha256"], f"{old} -> {entry['now']} resolves to another experiment"
+
+
+@pytest.mark.parametrize("path", study_files(), ids=[str(p.relative_to(REPO)) for p in study_files()])
+def test_shipped_studies_resolve_every_run(path):
+    from fedssl_study.spec import load_study
+
+    study = load_study(path)  # validates every (variant, seed)
+    assert study.variants and study.seeds
+
+
+def test_the_config_family_shrank():
+    assert len(experiment_config_files()) <= 52 and len(SNAPSHOT) == 218

@@ -1,6 +1,6 @@
 """docker/'s compose files for real: images built, containers started, experiments run in them.
 
-Where a Docker engine runs or can be started (root, dockerd installed), the images are built (tests/docker_engine.py:
+Where a Docker engine runs or can be started (root, dockerd installed), the images are built (docker/docker_engine.py:
 Flower's official images or local stand-ins, and docker/app.Dockerfile unchanged apart from build arguments), then:
 
 1. one host, ``docker/compose.yml`` + ``docker/compose.tls.yml``, as the README's compose section does it: TLS and

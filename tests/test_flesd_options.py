@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+
+from conftest import study_experiments
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
@@ -179,8 +181,7 @@ def test_simclr_projector_without_batchnorm_is_linear_relu_linear():
 
 
 def test_flesd_configs_use_the_papers_head():
-    cfg, _ = load_experiment({"config": "configs/flesd/table1/cifar10-alpha1-flesd.yaml",
-                              "data.dataset": "synthetic"})
+    cfg = study_experiments("paper/flesd-table1")["cifar10-alpha1-flesd"]
     method = build_ssl_model(cfg, seed=0)
     assert [type(m).__name__ for m in method.projector] == ["Linear", "ReLU", "Linear"]
     assert (method.projector[0].in_features, method.projector[0].out_features,

@@ -30,6 +30,7 @@ from ssl_models.federated.layerwise import (RepresentationAligner, alignment_los
 from strategies import get_strategy_class
 from strategies.fedssl import ModelToEvaluate
 from strategies.layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL, entry_bytes
+from conftest import experiment_config_files, study_experiments
 from wire_bytes import hand_bytes, raw_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -600,7 +601,7 @@ def test_lwfedssl_without_calibration_needs_no_auxiliary_data(tmp_path):
     assert cfg.strategy.options["calibration_epochs"] == 0
 
 
-LW_CONFIGS = sorted((REPO / "configs/lwfedssl").rglob("*.yaml")) + [REPO / SMOKE]
+LW_CONFIGS = experiment_config_files(REPO / "configs/lwfedssl") + [REPO / SMOKE]
 
 
 @pytest.mark.parametrize("path", LW_CONFIGS, ids=[str(p.relative_to(REPO)) for p in LW_CONFIGS])
@@ -642,21 +643,22 @@ def test_main_comparison_holds_the_papers_settings():
     assert main["lwfedssl"].strategy.options["calibration_epochs"] is None  # = the 3 local epochs
     assert main["fll-dd"].strategy.options["depth_dropout"] == 0.5
     assert main["fedmocov3"].strategy.name == "fedssl"
-    studies = REPO / "configs/lwfedssl/studies"
-    alphas = sorted(load_experiment({"config": str(p)})[0].strategy.options["alpha"]
-                    for p in (studies / "alpha").glob("*.yaml"))
-    assert alphas == [0.0, 0.001, 0.01, 0.1, 1.0]
-    aux = sorted(load_experiment({"config": str(p)})[0].data.public_size for p in (studies / "aux-data").glob("*.yaml"))
-    assert aux == [0.01, 0.05, 0.1, 0.2]
-    for p in (studies / "batch-size").glob("*.yaml"):
-        cfg = load_experiment({"config": str(p)})[0]
+    def study(name):
+        return study_experiments(f"paper/lwfedssl-{name}").values()
+
+    assert sorted(c.strategy.options["alpha"] for c in study("alpha")) == [0.0, 0.001, 0.01, 0.1, 1.0]
+    assert sorted(c.data.public_size for c in study("aux-data")) == [0.01, 0.05, 0.1, 0.2]
+    for cfg in study("batch-size"):
         assert cfg.train.lr == pytest.approx(1.5e-4 * cfg.train.batch_size / 256)
-    lr = {load_experiment({"config": str(p)})[0].strategy.options["lr_strategy"]
-          for p in (studies / "lr-strategy").glob("*.yaml")}
-    assert lr == {"fixed", "cosine", "cyclic"}
-    schedules = {p.stem: load_experiment({"config": str(p)})[0] for p in (studies / "rounds-per-stage").glob("*.yaml")}
+    assert {c.strategy.options["lr_strategy"] for c in study("lr-strategy")} == {"fixed", "cosine", "cyclic"}
+    schedules = study_experiments("paper/lwfedssl-rounds-per-stage")
     assert {c.strategy.options["allocation"] for c in schedules.values()} == {"uniform", "right_skewed", "left_skewed"}
     assert sorted(c.rounds for n, c in schedules.items() if n.startswith("lwfedssl-rs")) == [60, 120, 180, 240]
+    for name in ("alpha", "aux-data", "batch-size", "clients", "lr-strategy", "rounds-per-stage"):
+        for cfg in study(name):  # the paper's fixes hold in every cell of every study
+            assert cfg.train.weight_decay == pytest.approx(1e-5)
+            if cfg.strategy.name == "fedssl":
+                assert cfg.strategy.options["update_both"]
 
 
 def test_client_target_keep_carries_the_momentum_encoder_and_reset_restarts_it(tmp_path):

@@ -2,7 +2,7 @@
 
 The SuperLink machine runs the services of ``docker/server/compose.yml`` and each client machine those of
 ``docker/client/compose.yml``, started natively with the commands the compose files give the containers
-(``tests/compose_native.py``), TLS and SuperNode authentication on. The ``flwr`` CLI runs on a client
+(``docker/compose_native.py``), TLS and SuperNode authentication on. The ``flwr`` CLI runs on a client
 machine, as a user's laptop would, and dials the SuperLink by name across the veth link.
 
 Checked: ``configs/smoke.yaml`` runs to the end and writes its results in the ServerApp's output folder; a

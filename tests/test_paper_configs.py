@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import experiment_config_files, study_experiments, study_files
 from ssl_models.config import ExperimentConfig
+from strategies import FedEMA
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+CONFIGS = experiment_config_files() + study_files()  # every file states its scale
 EASYFL_JITTER = (0.8, 0.8, 0.8, 0.2)
 
 
@@ -38,9 +40,9 @@ def test_every_config_states_its_scale(path):
 
 
 def table1(dataset: str, alpha: str) -> dict[str, ExperimentConfig]:
-    folder = REPO / "configs/flesd/table1"
-    return {p.stem.split(f"{dataset}-alpha{alpha}-", 1)[1]: load(p)
-            for p in folder.glob(f"{dataset}-alpha{alpha}-*.yaml")}
+    prefix = f"{dataset}-alpha{alpha}-"
+    return {name[len(prefix):]: cfg for name, cfg in study_experiments("paper/flesd-table1").items()
+            if name.startswith(prefix)}
 
 
 @pytest.mark.parametrize("dataset", ["cifar10", "cifar100"])
@@ -65,41 +67,45 @@ def test_flesd_table1_fixes_200_local_epochs_and_sweeps_fedprox_mu(dataset, alph
 
 def test_flesd_ablations_use_the_paper_recipe_and_the_masked_variant_is_an_option():
     sparsify = {}
-    for path in sorted((REPO / "configs/flesd/ablations").glob("*.yaml")):
-        cfg = load(path)
-        assert cfg.method.options["proj_batch_norm"] is False and cfg.augment.crop_scale == [0.2, 1.0], path.name
-        sparsify[path.name] = cfg.strategy.options["sparsify"]
-    assert sparsify.pop("quantization-topk-0.1-zero-probability.yaml") == "zero_probability"
+    for name, cfg in study_experiments("paper/flesd-ablations").items():
+        assert cfg.method.options["proj_batch_norm"] is False and cfg.augment.crop_scale == [0.2, 1.0], name
+        sparsify[name] = cfg.strategy.options["sparsify"]
+    assert len(sparsify) == 34
+    assert sparsify.pop("quantization-topk-0.1-zero-probability") == "zero_probability"
     assert set(sparsify.values()) == {"zero_similarity"}
 
 
 def test_fedema_paper_configs():
     folder = REPO / "configs/fedema"
-    paper = [p for p in folder.rglob("*.yaml") if p.name != "cpu-compare.yaml"]
+    table3, table6 = study_experiments("paper/fedema-table3"), study_experiments("paper/fedema-table6")
+    ablations = study_experiments("paper/fedema-ablations")
+    paper = [load(p) for p in folder.rglob("*.yaml") if p.name != "cpu-compare.yaml"]
+    paper += list(table3.values()) + list(table6.values()) + list(ablations.values())
     assert len(paper) > 30
-    for path in paper:  # EasyFL's transform for SimCLR/BYOL/SimSiam/MoCo v2
-        cfg = load(path)
-        assert jitter(cfg) == EASYFL_JITTER and cfg.augment.jitter_p == 0.8, path.name
+    for cfg in paper:  # EasyFL's transform for SimCLR/BYOL/SimSiam/MoCo v2
+        assert jitter(cfg) == EASYFL_JITTER and cfg.augment.jitter_p == 0.8, cfg.name
         assert cfg.augment.crop_scale == [0.08, 1.0] and cfg.augment.blur_p == 0 and not cfg.augment.normalize
-    for path in sorted((folder / "table3").glob("*-fedema-lambda.yaml")):
-        assert load(path).strategy.options == {"mu_mode": "lambda", "lambda": 0.8, "ema_scope": "both",
-                                               "divergence": "paper"}
-    for path in sorted((folder / "table3").glob("*-fedema-autoscaler.yaml")):
-        options = load(path).strategy.options
-        assert options["mu_mode"] == "autoscaler" and options["tau"] == 0.7
-    for path in sorted(folder.rglob("*fedu*.yaml")):
-        assert load(path).strategy.options["divergence"] == "easyfl"
+    fedema_defaults = {k: v for k, v in FedEMA.default_options().items()}
+    for name, cfg in table3.items():
+        if name.endswith("-fedema-lambda"):
+            assert cfg.strategy.options == {**fedema_defaults, "mu_mode": "lambda", "lambda": 0.8, "ema_scope": "both",
+                                            "divergence": "paper"}
+        if name.endswith("-fedema-autoscaler"):
+            assert cfg.strategy.options["mu_mode"] == "autoscaler" and cfg.strategy.options["tau"] == 0.7
+    assert len(table3) == 16
+    for name, cfg in {**table3, **table6, **ablations}.items():
+        if cfg.strategy.name == "fedu":
+            assert cfg.strategy.options["divergence"] == "easyfl", name
     expected6 = {"20clients-5perround": (20, 5, 5, 400), "80clients-8perround": (80, 8, 2, 800)}
-    for path in sorted((folder / "table6").glob("*.yaml")):
-        cfg = load(path)
-        key = next(k for k in expected6 if k in path.name)
+    for name, cfg in table6.items():
+        key = next(k for k in expected6 if k in name)
         f = cfg.federation
         assert (f.num_clients, f.clients_per_round, cfg.train.local_epochs, cfg.rounds) == expected6[key]
         if cfg.strategy.name == "fedssl":
             assert cfg.strategy.options["update_both"] is True  # the paper's FedBYOL baseline there
     moco = load(folder / "fedmoco.yaml").method.options
     assert (moco["version"], moco["proj_hidden_dim"], moco["proj_out_dim"]) == (2, 512, 128)
-    both = load(folder / "ablations/fedbyol-update-both.yaml").strategy.options
-    aggregated = load(folder / "ablations/fedbyol-aggregate-target.yaml").strategy.options
+    both = ablations["fedbyol-update-both"].strategy.options
+    aggregated = ablations["fedbyol-aggregate-target"].strategy.options
     assert both.get("update_both") is True and not both.get("aggregate_target")
     assert aggregated.get("aggregate_target") is True and not aggregated.get("update_both")
