@@ -247,7 +247,7 @@ def main(grid: Grid, context: Context) -> None:
         raise
     if checkpoint is not None:
         out_dir = Path(resume).expanduser().resolve()
-        writer = ResultsWriter(out_dir, resume_round=checkpoint.round)
+        writer = ResultsWriter(out_dir, resume_round=checkpoint.round, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(checkpoint.meta.get("config_file", ""))
         ignored = sorted(k for k, v in context.run_config.items() if v != "" and k not in ("resume", "config"))
@@ -257,7 +257,7 @@ def main(grid: Grid, context: Context) -> None:
     else:
         wanted_dir = output_dir_for(cfg)
         out_dir = unused_output_dir(wanted_dir)
-        writer = ResultsWriter(out_dir)
+        writer = ResultsWriter(out_dir, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(context.run_config.get("config", "") or DEFAULT_CONFIG)
         # Named as the user gave it: the app's own copy (under Flower's FLWR_HOME) means nothing to them.
@@ -388,6 +388,8 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "provenance": provenance(cfg.to_dict(), cfg.train.device),
     }
     writer.write_summary(summary)
+    if writer.tensorboard is not None:
+        writer.tensorboard.close()
     writer.plot(f"{cfg.name}: {cfg.method.name} / {cfg.strategy.name}")
     headline = " (minimum over the clients' models)" if by_model else ""
     against = ""

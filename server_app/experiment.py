@@ -106,6 +106,12 @@ def check_components(cfg: ExperimentConfig) -> ExperimentConfig:
         strategy_cls.check_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.logging.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.tensorboard: the tensorboard package is not installed (pip install "
+                              "'fedssl[tensorboard]'), or set logging.tensorboard: false") from None
     return cfg
 
 

@@ -4,7 +4,9 @@
   knn_acc when measured, per-client facts);
 - ``progress.log``: the one-line-per-round progress log (also printed);
 - ``summary.json``: final scores, totals and the resolved config;
-- ``curves.png``: train loss and kNN accuracy against the round.
+- ``curves.png``: train loss and kNN accuracy against the round;
+- ``tensorboard/`` (``logging.tensorboard: true``): the same per-round figures as TensorBoard scalars (``round/*``)
+  and each client's (``client_<i>/*``), for a user who follows runs in TensorBoard.
 """
 
 from __future__ import annotations
@@ -46,10 +48,50 @@ def unused_output_dir(path: Path) -> Path:
     return candidate
 
 
+class TensorBoardUnavailable(RuntimeError):
+    """``logging.tensorboard`` is on but the tensorboard package is not installed."""
+
+
+# Per-round values written as TensorBoard scalars (``round/<key>``), and each client's (``client_<id>/<key>``).
+ROUND_SCALARS = ("train_loss", "knn_acc", "bytes_up", "bytes_down", "wall_s", "num_clients", "num_failed", "eval_s")
+CLIENT_SCALARS = ("loss", "train_s", "num_examples", "bytes_up", "mu", "divergence", "cka_start", "cka_end",
+                  "kernel_norm", "align_loss")
+
+
+class TensorBoardLog:
+    """A run's TensorBoard scalars (``<out_dir>/tensorboard``); a resumed run drops the events after its checkpoint."""
+
+    def __init__(self, folder: Path, resume_round: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise TensorBoardUnavailable(
+                "logging.tensorboard: the tensorboard package is not installed (pip install 'fedssl[tensorboard]'), "
+                f"or set logging.tensorboard: false ({exc})") from None
+        self.writer = SummaryWriter(str(folder), purge_step=None if resume_round is None else resume_round + 1)
+
+    def write_round(self, record: dict[str, Any]) -> None:
+        step = int(record["round"])
+        for key in ROUND_SCALARS:
+            if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool):
+                self.writer.add_scalar(f"round/{key}", float(record[key]), step)
+        for client in record.get("clients", []):
+            for key in CLIENT_SCALARS:
+                value = client.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"client_{client['id']}/{key}", float(value), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class ResultsWriter:
-    def __init__(self, out_dir: Path, resume_round: int | None = None) -> None:
+    def __init__(self, out_dir: Path, resume_round: int | None = None, tensorboard: bool = False) -> None:
         """A new run empties its files; a resumed one (``resume_round``: its checkpoint's round) keeps the metrics of
-        rounds up to that round (later lines came from the round that was cut off) and appends to the log."""
+        rounds up to that round (later lines came from the round that was cut off) and appends to the log.
+        ``tensorboard``: also write each round as TensorBoard scalars (raises ``TensorBoardUnavailable``, naming
+        the key, without the package)."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -59,6 +101,7 @@ class ResultsWriter:
         self.model_path = self.out_dir / "model.pt"
         self.records: list[dict[str, Any]] = []
         self.stopped = False  # set once a "stopped: why" line is written
+        self.tensorboard = TensorBoardLog(self.out_dir / "tensorboard", resume_round) if tensorboard else None
         if resume_round is None:
             self.metrics_path.write_text("")
             self.progress_path.write_text("")
@@ -84,6 +127,8 @@ class ResultsWriter:
         self.records.append(record)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(record, sort_keys=False) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write_round(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         tmp = self.summary_path.with_suffix(".json.tmp")

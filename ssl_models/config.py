@@ -193,6 +193,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where a run's figures go besides ``metrics.jsonl`` / ``progress.log`` / ``summary.json``."""
+
+    # TensorBoard scalars per round in ``<output-dir>/tensorboard/`` (loss, kNN, bytes, wall time, per-client
+    # values); needs the ``tensorboard`` package (``pip install 'fedssl[tensorboard]'``).
+    tensorboard: bool = False
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -207,6 +216,7 @@ class ExperimentConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -54,3 +54,50 @@ def test_flesd_and_heterossfl_say_that_no_weights_go_up():
     hetero = get_strategy_class("heterossfl").__new__(get_strategy_class("heterossfl"))
     hetero.rad_size, hetero.options = 100, {"kernel_encoding": "dense-fp16"}
     assert "no weights: up, the client's 100 x 100 RAD kernel (dense-fp16)" in hetero.traffic(2**20)
+
+
+def test_curves_png_is_drawn_with_matplotlib(tmp_path):
+    writer = ResultsWriter(tmp_path)
+    for r in (1, 2, 3):
+        writer.write_round({"round": r, "train_loss": 3.0 - r, "knn_acc": 0.2 + 0.01 * r if r != 2 else None})
+    path = writer.plot("demo")
+    assert path == tmp_path / "curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tensorboard_scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_per_round_and_client_and_a_resume_drops_the_cut_off_round(tmp_path):
+    def record(r):
+        return {"round": r, "train_loss": 3.0 - r, "bytes_up": 100 * r, "knn_acc": 0.5 if r == 2 else None,
+                "clients": [{"id": 0, "loss": 1.0 * r, "train_s": 2.0}, {"id": 1, "loss": 2.0 * r, "mu": 0.7}]}
+
+    writer = ResultsWriter(tmp_path, tensorboard=True)
+    for r in (1, 2, 3):
+        writer.write_round(record(r))
+    writer.tensorboard.close()
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["round/train_loss"] == [(1, 2.0), (2, 1.0), (3, 0.0)]
+    assert scalars["round/knn_acc"] == [(2, 0.5)] and scalars["round/bytes_up"][-1] == (3, 300.0)
+    assert scalars["client_1/loss"] == [(1, 2.0), (2, 4.0), (3, 6.0)] and scalars["client_1/mu"][0] == (1, 0.7)
+    # resumed after round 2's checkpoint: round 3 runs again, its first version is gone
+    writer = ResultsWriter(tmp_path, resume_round=2, tensorboard=True)
+    writer.write_round({**record(3), "train_loss": -1.0})
+    writer.tensorboard.close()
+    assert tensorboard_scalars(tmp_path / "tensorboard")["round/train_loss"] == [(1, 2.0), (2, 1.0), (3, -1.0)]
+
+
+def test_tensorboard_without_the_package_is_refused_naming_the_key(monkeypatch):
+    import sys
+
+    from server_app.experiment import load_experiment
+    from ssl_models.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    with pytest.raises(ConfigError, match=r"^logging.tensorboard: the tensorboard package is not installed"):
+        load_experiment({"config": "configs/smoke.yaml", "data.dataset": "synthetic", "logging.tensorboard": True})
