@@ -3,7 +3,13 @@
 - the names of message types, records and config keys that travel in messages;
 - the encoding of named NumPy arrays as Flower ``ArrayRecord``s (one packed buffer + a manifest), and their
   byte count;
-- where a client keeps its state between rounds (``client_state`` modes and the on-disk store).
+- where a client keeps its state between rounds (``client_state`` modes and the on-disk store);
+- which code runs: ``WIRE_VERSION`` (the layout of these records) and ``app_code_digest`` (SHA-256 over the app's
+  Python files). The ServerApp sends both with every message (``app-digest``, ``wire-version``); a ClientApp whose
+  own differ refuses the message (``check_same_code``) and the ServerApp stops the run with that reason. In a
+  simulation Flower's Ray workers import the ClientApp from the working directory of the local SuperLink, not from
+  the submitted app, so a SuperLink started in another checkout would otherwise run that checkout's client code
+  beside the submitted server code, silently.
 
 Per-client state is a flat mapping of names to NumPy arrays (model entries such as ``target_backbone.*`` plus
 scalars under ``meta.*``). Three places can hold it, chosen by the strategy option ``client_state``:
@@ -19,6 +25,8 @@ scalars under ``meta.*``). Three places can hold it, chosen by the strategy opti
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import tempfile
@@ -28,6 +36,71 @@ from typing import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
+
+# ---------------------------------------------------------------------- which code runs
+WIRE_VERSION = 1  # the records' layout below; raise it when a message changes shape
+APP_DIGEST_KEY = "app-digest"
+WIRE_VERSION_KEY = "wire-version"
+APP_ROOT = Path(__file__).resolve().parent
+APP_PACKAGES = ("ssl_models", "strategies", "client_app", "server_app", "fedssl_study")
+APP_MODULES = ("fedssl_wire.py",)
+
+
+def app_code_files(app_dir: Path = APP_ROOT) -> list[Path]:
+    """The app's own Python files under ``app_dir`` (what a FAB carries of them), in a fixed order."""
+    app_dir = Path(app_dir)
+    files = [app_dir / m for m in APP_MODULES if (app_dir / m).is_file()]
+    for package in APP_PACKAGES:
+        files += sorted(p for p in (app_dir / package).rglob("*.py") if "__pycache__" not in p.parts)
+    return files
+
+
+@functools.lru_cache(maxsize=8)
+def app_code_digest(app_dir: Path = APP_ROOT) -> str:
+    """SHA-256 over the app's Python files (relative path and bytes of each): the same for a checkout, the copy
+    Flower installs from the FAB and a container's copy of the same code. Computed once per process."""
+    h = hashlib.sha256()
+    for path in app_code_files(app_dir):
+        h.update(str(path.relative_to(app_dir)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def code_identity() -> dict[str, str | int]:
+    """What the ServerApp sends with every message so the clients can check they run the same code."""
+    return {APP_DIGEST_KEY: app_code_digest(), WIRE_VERSION_KEY: WIRE_VERSION}
+
+
+class CodeMismatch(RuntimeError):
+    """The ClientApp's code is not the ServerApp's: the message is refused (and the run stops)."""
+
+
+CODE_MISMATCH = "code mismatch"  # in the refusal's text, for the server to recognise it in an error reply
+
+
+def code_mismatch_reason(text: str) -> str | None:
+    """The refusal's own sentence (from ``code mismatch:`` to the end of its line) in an error reply's text, which
+    in a simulation is wrapped in Ray's multi-line exception report; None when the text holds no refusal."""
+    for line in str(text).splitlines():
+        if f"{CODE_MISMATCH}:" in line:
+            return line[line.index(f"{CODE_MISMATCH}:"):].strip().rstrip("'\">)")
+    return None
+
+
+def check_same_code(config) -> None:
+    """Refuse a message whose sender runs other code: ``config`` (the message's ConfigRecord) holds the ServerApp's
+    digest and wire version. A message without them (a hand-made test message) is not checked."""
+    theirs = config.get(APP_DIGEST_KEY) if config is not None else None
+    if theirs is None:
+        return
+    mine, version = app_code_digest(), int(config.get(WIRE_VERSION_KEY, -1))
+    if str(theirs) != mine or version != WIRE_VERSION:
+        raise CodeMismatch(
+            f"{CODE_MISMATCH}: this ClientApp runs code {mine[:16]} (wire format v{WIRE_VERSION}) loaded from "
+            f"{APP_ROOT}, the ServerApp code {str(theirs)[:16]} (wire format v{version}). Every client must run the "
+            "submitted app: in a simulation, the local SuperLink imports the ClientApp from the folder it was first "
+            "started in; stop that SuperLink (or give this checkout its own FLWR_HOME and ports) and run again")
+
 
 # ---------------------------------------------------------------------- names on the wire
 INFO_MESSAGE_TYPE = "query.info"  # which partition a node holds

@@ -19,13 +19,19 @@ from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
 from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
-                         from_array_record, to_array_record)
+                         check_same_code, from_array_record, to_array_record)
 
 from .tasks import (client_encoder_state, initial_kernel, kernel_round, layerwise_round, local_images, similarity_round,
                     train_local_ssl)
 
 APP_IMPORTED_AT = time.time()
 app = ClientApp()
+
+
+def refuse_other_code(msg: Message) -> None:
+    """Every handler's first step: a message from a ServerApp running other code is refused (``CodeMismatch``,
+    an error reply naming both digests and where this ClientApp's code was loaded from)."""
+    check_same_code(msg.content.config_records.get("config"))
 
 
 
@@ -85,6 +91,7 @@ def keep_client_state(msg: Message, context: Context, pid: int, state: dict, rep
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Tell the server which partition this node holds, so it can map node ids to clients."""
+    refuse_other_code(msg)
     pid, num = _partition(context)
     return Message(RecordDict({
         "metrics": MetricRecord({"partition-id": pid, "num-partitions": num}),
@@ -114,6 +121,7 @@ class RoundInputs:
 def round_inputs(msg: Message, context: Context) -> RoundInputs:
     """Decode what every training round needs: the experiment, this client's id, the round, its images."""
     started_at = time.time()
+    refuse_other_code(msg)
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
@@ -218,6 +226,7 @@ def train_kernel(msg: Message, context: Context) -> Message:
 def query_kernel(msg: Message, context: Context) -> Message:
     """Hetero-SSFL before round 1: the kernel of this client's current (initial) model on the RAD, from which the
     server forms K_bar(0) (Algorithm 1). Nothing trains."""
+    refuse_other_code(msg)
     pid, _ = _partition(context)
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
@@ -232,6 +241,7 @@ def query_kernel(msg: Message, context: Context) -> Message:
 def query_encoder(msg: Message, context: Context) -> Message:
     """Send this client's own encoder (online backbone) to the server, for evaluation only (Hetero-SSFL has no
     global model to score). Refused by a client that has not trained yet."""
+    refuse_other_code(msg)
     pid, _ = _partition(context)
     state = load_client_state(msg, context, pid)
     encoder = client_encoder_state(state)

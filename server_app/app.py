@@ -21,9 +21,9 @@ from ssl_models.factory import build_ssl_model, load_partial_state, split_state,
 from ssl_models.data.splits import eval_subset_seeds, eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
-from strategies.fedssl import ModelToEvaluate
+from strategies.fedssl import CodeMismatchStop, ModelToEvaluate
 from strategies.nodes import query_partitions
-from fedssl_wire import from_array_record, to_array_record
+from fedssl_wire import code_mismatch_reason, from_array_record, to_array_record
 
 from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for, resolve_config_path
 from .paths import allowed_roots, confine
@@ -62,6 +62,9 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
     wait_s = max(0.0, deadline - time.monotonic()) if simulated else cfg.federation.node_wait_s
     for info in query_partitions(grid, nodes, timeout=cfg.federation.round_timeout_s, unavailable_wait_s=wait_s):
         if info.error:
+            refusal = code_mismatch_reason(info.error)
+            if refusal:
+                raise CodeMismatchStop(f"node {info.node_id} runs other code than this ServerApp: {refusal}")
             raise RuntimeError(f"node {info.node_id} failed to report its partition: {info.error}")
         pid, num = info.partition_id, info.num_partitions
         if num != n:

@@ -20,9 +20,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
+from fedssl_wire import WIRE_VERSION, app_code_digest
+
 APP_DIR = Path(__file__).resolve().parents[1]
-APP_PACKAGES = ("ssl_models", "strategies", "client_app", "server_app", "fedssl_study")
-APP_MODULES = ("fedssl_wire.py",)
 
 
 def package_versions() -> dict[str, str]:
@@ -61,22 +61,6 @@ def device_description(device: str | None = None) -> str:
     return text
 
 
-def app_code_files(app_dir: Path = APP_DIR) -> list[Path]:
-    files = [app_dir / m for m in APP_MODULES if (app_dir / m).is_file()]
-    for package in APP_PACKAGES:
-        files += sorted(p for p in (app_dir / package).rglob("*.py") if "__pycache__" not in p.parts)
-    return files
-
-
-def app_code_digest(app_dir: Path = APP_DIR) -> str:
-    """SHA-256 over the app's Python files (relative path and bytes of each, in a fixed order)."""
-    h = hashlib.sha256()
-    for path in app_code_files(app_dir):
-        h.update(str(path.relative_to(app_dir)).encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def git_state(folder: Path = APP_DIR) -> tuple[str | None, bool | None]:
     """(commit, has uncommitted changes) when ``folder`` is the top of a git checkout, else (None, None)."""
     def git(*args: str) -> str:
@@ -99,5 +83,5 @@ def config_hash(config: Mapping[str, Any]) -> str:
 def provenance(config: Mapping[str, Any], device: str | None = None) -> dict[str, Any]:
     commit, dirty = git_state()
     return {"versions": package_versions(), "device": device_description(device), "host": platform.node(),
-            "app_digest": app_code_digest(), "git_commit": commit, "git_dirty": dirty,
+            "app_digest": app_code_digest(), "wire_version": WIRE_VERSION, "git_commit": commit, "git_dirty": dirty,
             "config_hash": config_hash(config)}

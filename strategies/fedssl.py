@@ -32,8 +32,8 @@ from flwr.serverapp.strategy import Strategy
 from .aggregation import sample_clients, weighted_average, weighted_mean
 from .nodes import client_timeline, query_partitions, send_and_receive
 from .options import check_choice
-from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, from_array_record,
-                         record_bytes, record_manifest, to_array_record)
+from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, code_identity,
+                         code_mismatch_reason, from_array_record, record_bytes, record_manifest, to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 # Per-step client figures whose maxima per client and per run go to summary.json (the clients' ``res.*`` metrics).
@@ -43,6 +43,10 @@ DEFAULT_MAX_REPLY_BYTES = 8 * 2**30  # a reply larger than this is refused (fede
 
 class NotEnoughValidReplies(RuntimeError):
     """Fewer valid replies than ``federation.min_replies`` in a round: the run stops, the global model unchanged."""
+
+
+class CodeMismatchStop(RuntimeError):
+    """A client runs other code than the ServerApp: the run stops with the client's reason."""
 
 
 class RejectedReply:
@@ -167,7 +171,8 @@ class FedSSL(Strategy):
 
     def client_config(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific keys added to every client's config (subclasses extend it)."""
-        return {"update-both": bool(self.options["update_both"]),
+        return {**code_identity(),  # the clients refuse a message from other code (fedssl_wire.check_same_code)
+                "update-both": bool(self.options["update_both"]),
                 "aggregate-target": bool(self.options["aggregate_target"]), "client-update": self.client_update,
                 "client-state": str(self.options["client_state"]), "state-dir": self.state_dir,
                 "state-run": str(getattr(self, "state_run", ""))}
@@ -313,6 +318,10 @@ class FedSSL(Strategy):
     def screen_replies(self, server_round: int, replies: list) -> list:
         """The round's replies with every invalid one replaced by a ``RejectedReply`` (logged with node, client and
         reason); stops the run if fewer than ``federation.min_replies`` valid replies remain."""
+        for r in replies:  # a client running other code: no later round can be trusted either
+            refusal = code_mismatch_reason(r.error.reason) if r.has_error() else None
+            if refusal:
+                raise CodeMismatchStop(f"round {server_round}: a client refused the round: {refusal}")
         screened = []
         for r in replies:
             if not r.has_error() and id(r) not in self._validated:

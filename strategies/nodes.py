@@ -15,7 +15,7 @@ from typing import Iterable
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedssl_wire import INFO_MESSAGE_TYPE
+from fedssl_wire import INFO_MESSAGE_TYPE, code_identity
 
 
 
@@ -121,7 +121,8 @@ def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
 
 
 def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[NodeInfo, bool]]:
-    queries = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type=INFO_MESSAGE_TYPE)
+    queries = [Message(RecordDict({"config": ConfigRecord(code_identity())}), dst_node_id=node,
+                       message_type=INFO_MESSAGE_TYPE)
                for node in nodes]
     replies = send_and_receive(grid, queries, timeout)
     sent_to = {getattr(m.metadata, "message_id", ""): m.metadata.dst_node_id for m in queries}  # ids: set on push
