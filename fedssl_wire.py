@@ -87,6 +87,21 @@ def code_mismatch_reason(text: str) -> str | None:
     return None
 
 
+def readable_reason(text: str, limit: int = 300) -> str:
+    """An error reply's reason in one line: a simulation wraps a ClientApp's exception in Ray's multi-line report
+    (ANSI colours, tracebacks); keep the exception's own message (after the last ``Message:``, or the last line
+    that names an exception), shortened to ``limit`` characters."""
+    text = str(text)
+    if "Message:" in text:
+        text = text.rsplit("Message:", 1)[1]
+    elif "Traceback" in text or "\n" in text:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        named = [ln for ln in lines if ":" in ln and not ln.startswith(("File ", "^", "~"))]
+        text = named[-1] if named else (lines[-1] if lines else text)
+    text = " ".join(text.replace("\x1b[36m", "").replace("\x1b[39m", "").split()).strip(" '\">")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_same_code(config) -> None:
     """Refuse a message whose sender runs other code: ``config`` (the message's ConfigRecord) holds the ServerApp's
     digest and wire version. A message without them (a hand-made test message) is not checked."""
@@ -100,6 +115,40 @@ def check_same_code(config) -> None:
             f"{APP_ROOT}, the ServerApp code {str(theirs)[:16]} (wire format v{version}). Every client must run the "
             "submitted app: in a simulation, the local SuperLink imports the ClientApp from the folder it was first "
             "started in; stop that SuperLink (or give this checkout its own FLWR_HOME and ports) and run again")
+
+
+# ---------------------------------------------------------------------- a stopped run
+RUN_STOPPED_MARKER = "RUN-STOPPED"  # in a run's client-state folder: the ServerApp is gone, clients stop
+
+
+class RunStopped(RuntimeError):
+    """The run this message belongs to was stopped (``flwr stop``, an interrupted ServerApp): nothing more trains or
+    is written for it."""
+
+
+def mark_run_stopped(state_root: Path, reason: str) -> None:
+    """Leave the marker the clients of a simulation (whose state folders lie under the run's) check before they
+    train an epoch or write state."""
+    try:
+        Path(state_root).mkdir(parents=True, exist_ok=True)
+        (Path(state_root) / RUN_STOPPED_MARKER).write_text(reason + "\n")
+    except OSError:
+        pass  # an unwritable folder: the clients cannot be told; nothing else to do
+
+
+def clear_run_stopped(state_root: Path) -> None:
+    (Path(state_root) / RUN_STOPPED_MARKER).unlink(missing_ok=True)
+
+
+def run_stopped(state_root: Path | None) -> str | None:
+    """The marker's reason when the run whose client state lies under ``state_root`` was stopped, else None."""
+    if state_root is None:
+        return None
+    marker = Path(state_root) / RUN_STOPPED_MARKER
+    try:
+        return marker.read_text().strip() or "stopped" if marker.is_file() else None
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------- names on the wire

@@ -19,10 +19,10 @@ from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
 from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
-                         check_same_code, from_array_record, to_array_record)
+                         RunStopped, check_same_code, from_array_record, run_stopped, to_array_record)
 
-from .tasks import (client_encoder_state, initial_kernel, kernel_round, layerwise_round, local_images, similarity_round,
-                    train_local_ssl)
+from .tasks import (client_encoder_state, initial_kernel, kernel_round, layerwise_round, local_images, set_stop_check,
+                    similarity_round, train_local_ssl)
 
 APP_IMPORTED_AT = time.time()
 app = ClientApp()
@@ -78,7 +78,24 @@ def load_client_state(msg: Message, context: Context, pid: int) -> dict[str, np.
     return from_array_record(record) if record is not None else None
 
 
+def stop_marker_root(msg: Message, context: Context) -> Path | None:
+    """Where the ServerApp of this run leaves its stop marker for this client: the root of the run's client-state
+    folders when they lie under the run's output folder (a simulation's "disk" mode), else None (nothing to check)."""
+    config = msg.content.config_records.get("config")
+    if config is None or str(config.get("client-state", "memory")) != "disk" or not in_simulation():
+        return None
+    suggested = str(config.get("state-dir", "") or "")
+    return Path(suggested) if suggested else None
+
+
+def refuse_stopped_run(msg: Message, context: Context) -> None:
+    reason = run_stopped(stop_marker_root(msg, context))
+    if reason:
+        raise RunStopped(f"run {context.run_id} was stopped ({reason}): this client trains and writes nothing more")
+
+
 def keep_client_state(msg: Message, context: Context, pid: int, state: dict, reply: RecordDict) -> None:
+    refuse_stopped_run(msg, context)  # the server is gone: write nothing for its run
     mode = str(msg.content["config"].get("client-state", "memory"))
     if mode == "server":
         reply[CLIENT_STATE_RECORD] = to_array_record(state)
@@ -122,6 +139,7 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     """Decode what every training round needs: the experiment, this client's id, the round, its images."""
     started_at = time.time()
     refuse_other_code(msg)
+    refuse_stopped_run(msg, context)
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     pid, _ = _partition(context)
@@ -129,6 +147,8 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     scope = str(config.get("data-scope", "partition"))
     images = local_images(cfg, pid, data_path, scope)
     r = RoundInputs(config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at)
+    root = stop_marker_root(msg, context)  # checked before every local epoch too (tasks.local_training)
+    set_stop_check((lambda: run_stopped(root)) if root is not None else None)
     where = ("the union of all partitions of " if scope == "union" else "its partition of ") + \
         (cfg.data.path or cfg.data.dataset)
     # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.

@@ -42,6 +42,7 @@ from ssl_models.federated.layerwise import (RepresentationAligner, build_layerwi
                                             head_prefixes, resource_account, select, trained_prefixes)
 from ssl_models.data.splits import client_images, images_digest, union_images
 from ssl_models.training import TrainStats, resolve_device, train_ssl
+from fedssl_wire import RunStopped
 
 ONLINE_ENCODER = ("backbone.", "projector.")
 PREDICTOR = ("predictor.",)
@@ -295,6 +296,26 @@ def step_resources(method, *, optimizer: str, batch_size: int, sgd_momentum: flo
     return dict(_STEP_RESOURCES[key])
 
 
+# Whether the run of the message being served was stopped (the ClientApp sets it per message: the stop marker of a
+# simulation's run); checked before every local epoch, so a stopped run's clients stop training within an epoch.
+_STOP_CHECK: Callable[[], str | None] | None = None
+
+
+def set_stop_check(check: Callable[[], str | None] | None) -> None:
+    global _STOP_CHECK
+    _STOP_CHECK = check
+
+
+def _with_stop_check(epoch_hook):
+    def hook(method, epoch: int) -> None:
+        reason = _STOP_CHECK() if _STOP_CHECK is not None else None
+        if reason:
+            raise RunStopped(f"the run was stopped ({reason}) before local epoch {epoch + 1}: training ends here")
+        if epoch_hook is not None:
+            epoch_hook(method, epoch)
+    return hook
+
+
 def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
                    loss_hook=None, epoch_hook=None, log: Callable[[str], None] | None = None,
                    account: bool = True) -> TrainStats:
@@ -317,7 +338,8 @@ def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: flo
                       momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
                       drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
                       augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook,
-                      epoch_hook=epoch_hook, log=log, compile_backend="inductor" if t.compile else None)
+                      epoch_hook=_with_stop_check(epoch_hook), log=log,
+                      compile_backend="inductor" if t.compile else None)
     if account:
         resources["images_trained"] = float(stats.steps * min(t.batch_size, len(images)))
         rss = process_peak_rss_bytes()

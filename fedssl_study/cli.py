@@ -105,6 +105,70 @@ def study_main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def app_run_config_keys(app_dir: Path) -> set[str]:
+    """Every run-config key the app at ``app_dir`` declares (``[tool.flwr.app.config]`` of its pyproject.toml,
+    flattened as Flower flattens it)."""
+    import tomllib
+
+    from flwr.common.config import flatten_dict
+
+    with (Path(app_dir) / "pyproject.toml").open("rb") as fh:
+        return set(flatten_dict(tomllib.load(fh)["tool"]["flwr"]["app"]["config"]))
+
+
+def closest(key: str, known: set[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def run_main(argv: list[str] | None = None) -> int:
+    """``fedssl-run [APP] [SUPERLINK] --run-config ... [flwr run options]``: ``flwr run`` after checking, on this
+    machine, every run-config key and the experiment it selects, so an unknown key or a bad value is named in one
+    line (Flower answers only "[code: 15] Invalid run configuration", without the key)."""
+    import os
+
+    from flwr.common.config import parse_config_args
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    positional = [a for a in args if not a.startswith("-")]
+    run_configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--run-config", "-c")]
+    app_dir = Path(positional[0] if positional else ".").expanduser()
+    if not (app_dir / "pyproject.toml").is_file():
+        print(f"fedssl-run: {app_dir} holds no pyproject.toml (give the app's folder first, as flwr run does)",
+              file=sys.stderr)
+        return 2
+    try:
+        given = parse_config_args(run_configs) if run_configs else {}
+    except Exception as exc:  # noqa: BLE001 - Flower's own parser: its message is the one to show
+        print(f"fedssl-run: --run-config: {exc}", file=sys.stderr)
+        return 2
+    known = app_run_config_keys(app_dir)
+    for key in given:
+        if key not in known:
+            print(f"fedssl-run: run-config key {key!r} is not a setting of this app{closest(key, known)}; the keys are "
+                  "the YAML settings (train.lr, strategy.options.mu, ...) and config, output-dir, resume",
+                  file=sys.stderr)
+            return 2
+    if not given.get("resume"):  # a resumed run uses its own config: nothing more to check here
+        from server_app.experiment import load_experiment
+
+        cwd = Path.cwd()
+        try:
+            os.chdir(app_dir)  # relative config paths resolve as the ServerApp resolves them
+            load_experiment({k: v for k, v in given.items() if k != "output-dir"})
+        except ConfigError as exc:
+            print(f"fedssl-run: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            os.chdir(cwd)
+    from .launcher import flwr_cli
+
+    os.execvp(flwr_cli(), [flwr_cli(), "run", *args])
+    return 0  # not reached
+
+
 def report_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedssl-report", description="Compare finished runs (their output folders): "
                                  "report.md, report.csv and plots; the seeds of one experiment form one row.")

@@ -3,12 +3,14 @@ write results. Training math lives in ``ssl_models``; aggregation in ``strategie
 
 from __future__ import annotations
 
+import atexit
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from logging import ERROR
-from typing import Any
+from logging import ERROR, INFO
+from typing import Any, Mapping
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
@@ -23,7 +25,8 @@ from ssl_models.training import resolve_device
 from strategies import get_strategy_class
 from strategies.fedssl import CodeMismatchStop, ModelToEvaluate
 from strategies.nodes import query_partitions
-from fedssl_wire import code_mismatch_reason, from_array_record, to_array_record
+from fedssl_wire import (RunStopped, clear_run_stopped, code_mismatch_reason, from_array_record, mark_run_stopped,
+                         readable_reason, to_array_record)
 
 from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for, resolve_config_path
 from .paths import allowed_roots, confine
@@ -168,11 +171,9 @@ def failed_note(record: dict) -> str:
     failed = record.get("failed_clients") or []
     if not failed:
         return ""
-    def short(reason: str, limit: int = 160) -> str:  # a Ray out-of-memory reason runs to kilobytes
-        reason = " ".join(str(reason).split())
-        return reason if len(reason) <= limit else reason[:limit - 3] + "..."
-
-    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {short(f['reason'])}" for f in failed) + ")"
+    # a Ray out-of-memory reason, or a simulated ClientApp's traceback, runs to kilobytes: its own message only
+    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {readable_reason(f['reason'], 160)}"
+                                                   for f in failed) + ")"
 
 
 def _mb(n: int) -> str:
@@ -211,14 +212,98 @@ def _points(value: float | None) -> str:
 
 
 def resume_experiment(resume: str) -> tuple[ExperimentConfig, Checkpoint]:
-    """The config and newest complete checkpoint of the run in folder ``resume`` (``resume=<output-dir>``)."""
+    """The config and newest complete checkpoint of the run in folder ``resume`` (``resume=<output-dir>``), checked
+    to fit together."""
     folder = Path(resume).expanduser().resolve()
     if not folder.is_dir():
         raise ConfigError(f"resume: {resume!r} is not a folder (give the output folder of the run to continue)")
     checkpoint = load_latest_checkpoint(folder)
     cfg = ExperimentConfig.from_dict(checkpoint.meta["config"])
     cfg.check_files()
+    check_checkpoint_fits(cfg, checkpoint.global_arrays)
     return cfg, checkpoint
+
+
+def check_writable(folder: Path) -> None:
+    """ConfigError naming ``output-dir`` unless ``folder`` can be made and written (a parent that is a file, a
+    read-only disk, no permission): one line before anything starts, not a traceback from the first write."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output-dir: cannot write to {folder} ({exc.strerror or exc}); give a folder this "
+                          "ServerApp can write") from None
+
+
+def ignored_on_resume(run_config: Mapping[str, Any], cfg: ExperimentConfig, limit: int = 8) -> str:
+    """What a resume leaves out of what it was given, in words: run-config keys, and a given ``config`` file's
+    settings that differ from the run's own (a resumed run keeps its own config)."""
+    keys = sorted(k for k, v in run_config.items() if v != "" and k not in ("resume", "config"))
+    parts = [f"run-config keys {keys} ignored"] if keys else []
+    if run_config.get("config", ""):
+        try:
+            given, _ = load_experiment({k: v for k, v in run_config.items() if k != "resume"})
+        except (ConfigError, FileNotFoundError) as exc:
+            parts.append(f"the given config ({run_config['config']}) ignored ({exc})")
+        else:
+            diffs = sorted(dotted_differences(given.to_dict(), cfg.to_dict()) - {"name", "output_dir", "data.path"})
+            if diffs:
+                shown = ", ".join(f"{k} ({_dotted_get(given.to_dict(), k)!r}; the run's {_dotted_get(cfg.to_dict(), k)!r})"
+                                  for k in diffs[:limit])
+                more = f" and {len(diffs) - limit} more" if len(diffs) > limit else ""
+                parts.append(f"the given config's {shown}{more} ignored")
+    return "; " + "; ".join(parts) if parts else ""
+
+
+def dotted_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key in set(a) | set(b):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping):
+            out |= dotted_differences(va, vb, f"{prefix}{key}.")
+        elif va != vb:
+            out.add(prefix + key)
+    return out
+
+
+def _dotted_get(tree: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, Mapping) else None
+    return tree
+
+
+def check_checkpoint_fits(cfg: ExperimentConfig, global_arrays: Mapping[str, np.ndarray], limit: int = 3) -> None:
+    """ConfigError unless every array of a checkpoint's global model has the name and shape the config's model
+    gives it (a checkpoint written by other code, or edited): named shapes, before any client is asked."""
+    if not global_arrays:
+        return  # no global model (Hetero-SSFL): nothing to compare
+    model = build_ssl_model(cfg, seed=cfg.seed)  # a layer-wise run's full-depth model holds every grown block
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [f"{k} is {tuple(np.shape(v))} in the checkpoint, {shapes[k]} in the model" for k, v in global_arrays.items()
+             if k in shapes and tuple(np.shape(v)) != shapes[k]]
+    unknown = [k for k in global_arrays if k not in shapes]
+    if wrong or unknown:
+        details = wrong[:limit] + [f"{k} is not in the model" for k in unknown[:limit]]
+        more = len(wrong) + len(unknown) - len(details)
+        raise ConfigError(f"resume: the checkpoint's global model does not fit the model of its config "
+                          f"({cfg.method.name} on {cfg.model.arch}, width {cfg.model.width}): " + "; ".join(details)
+                          + (f"; and {more} more" if more > 0 else "") + " (written by other code, or edited?)")
+
+
+def register_stop_handler(handler) -> None:
+    """Run ``handler`` when the ServerApp's process is ended: ``flwr stop`` signals the process that runs the
+    ServerApp (in a simulation, in a thread of its own), and Flower's signal handler runs its registered exit
+    handlers before it exits (a plain ``atexit`` hook would not run: the process is ended with ``os._exit`` while the
+    ServerApp's thread is still busy). ``atexit`` too, for an interpreter that ends otherwise."""
+    try:
+        from flwr.supercore.exit import add_exit_handler
+    except ImportError:  # another Flower layout: atexit alone
+        pass
+    else:
+        add_exit_handler(handler, run_before_force_exit=True)
+    atexit.register(handler)
 
 
 @app.main()
@@ -250,16 +335,25 @@ def main(grid: Grid, context: Context) -> None:
         raise
     if checkpoint is not None:
         out_dir = Path(resume).expanduser().resolve()
+        if checkpoint.round >= cfg.rounds and (out_dir / "summary.json").is_file():
+            # Nothing left to do: say so and leave every file as it is (a new run with resume would rewrite them).
+            log(INFO, "resume: the run in %s finished (round %d of %d, summary.json written): nothing to do, "
+                "nothing changed; fedssl-eval scores its model.pt again, a new run trains longer", out_dir,
+                checkpoint.round, cfg.rounds)
+            return
         writer = ResultsWriter(out_dir, resume_round=checkpoint.round, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(checkpoint.meta.get("config_file", ""))
-        ignored = sorted(k for k, v in context.run_config.items() if v != "" and k not in ("resume", "config"))
         say(f"resuming {cfg.name!r} in {out_dir} after round {checkpoint.round} of {cfg.rounds} (checkpoint "
-            f"{checkpoint.path.name}); the run's own config is used" + (f", run-config keys {ignored} ignored"
-                                                                       if ignored else ""))
+            f"{checkpoint.path.name}); the run's own config is used{ignored_on_resume(context.run_config, cfg)}")
     else:
         wanted_dir = output_dir_for(cfg)
         out_dir = unused_output_dir(wanted_dir)
+        try:
+            check_writable(out_dir)
+        except ConfigError as exc:
+            log(ERROR, "Invalid experiment configuration: %s", exc)
+            raise
         writer = ResultsWriter(out_dir, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(context.run_config.get("config", "") or DEFAULT_CONFIG)
@@ -268,12 +362,34 @@ def main(grid: Grid, context: Context) -> None:
         say(f"experiment {cfg.name!r} from {shown}; results in {out_dir}")
         if out_dir != wanted_dir:
             say(f"{wanted_dir} already holds a run, which is never overwritten: writing to {out_dir} instead")
+    state_root = out_dir / "client_state"
+    clear_run_stopped(state_root)  # a resumed run: its clients may train again
+
+    def on_exit() -> None:
+        """The process ends before the run finished (``flwr stop`` ends a simulation's ServerApp through Flower's
+        signal handler, a SIGTERM likewise): say so in the log and tell the clients to stop."""
+        if writer.finished:
+            return
+        if not writer.stopped:
+            say(f"stopped: the ServerApp ended after round {len(writer.records)} of {cfg.rounds} (flwr stop, or the "
+                f"process was interrupted); resume with resume='{out_dir}'")
+            writer.stopped = True  # the ServerApp's own thread may still be in a round: it records nothing more
+        mark_run_stopped(state_root, "the ServerApp ended before the run finished")
+
+    register_stop_handler(on_exit)
     try:
         _run(grid, cfg, given, started, out_dir, writer, run_id=context.run_id, checkpoint=checkpoint)
     except Exception as exc:
         if not writer.stopped:  # stop_run already wrote the reason of an expected failure
             say(f"stopped: {type(exc).__name__}: {exc}")
+        writer.stopped = True
+        mark_run_stopped(state_root, f"the ServerApp stopped: {type(exc).__name__}")
         raise
+    except BaseException:  # SystemExit from Flower's signal handler (flwr stop), KeyboardInterrupt
+        on_exit()
+        raise
+    finally:
+        atexit.unregister(on_exit)  # (Flower's own list keeps it: on_exit does nothing once the run has finished)
 
 
 def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter, *,
@@ -301,6 +417,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
     strategy.prepare(cfg, data, split)
     # The clients' state folders are named after the run that started them (a resumed run keeps using them).
     state_run = str(checkpoint.meta["state_run"]) if checkpoint is not None else str(run_id)
+    elapsed_before = float(checkpoint.meta.get("elapsed_s", 0.0)) if checkpoint is not None else 0.0
     strategy.state_run = state_run
     evaluator = ServerEvaluator(cfg)
     initial_model = build_ssl_model(cfg, seed=cfg.seed)
@@ -317,6 +434,8 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Called by the strategy's round loop after every round: measure, record, checkpoint, report."""
+        if writer.stopped:  # stopped from outside (flwr stop) while the round ran: record nothing more
+            raise RunStopped(f"the run was stopped during round {server_round}")
         if server_round == 0:
             return None
         record = dict(strategy.round_records.get(server_round, {"round": server_round}))
@@ -335,8 +454,10 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         every = cfg.checkpoint.every
         if every and (server_round % every == 0 or server_round == cfg.rounds):
             plain, arrays_state, stores = strategy.checkpoint_state()
+            elapsed = elapsed_before + time.perf_counter() - started  # the whole run's time up to this checkpoint
             save_checkpoint(out_dir, server_round, {"config": cfg.to_dict(), "config_file": config_given,
-                                                    "state_run": state_run, "strategy": plain, "stores": sorted(stores)},
+                                                    "state_run": state_run, "strategy": plain, "stores": sorted(stores),
+                                                    "elapsed_s": elapsed},
                             from_array_record(arrays), arrays_state, {k: Path(v) for k, v in stores.items()},
                             keep=cfg.checkpoint.keep)
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
@@ -378,7 +499,10 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         **strategy.summary_extras(by_model),
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
-        "run_s": time.perf_counter() - started,
+        # the whole run: the time up to the checkpoint a resume started from, and this process's
+        "run_s": elapsed_before + time.perf_counter() - started,
+        "run_s_this_process": time.perf_counter() - started,
+        **({"resumed_after_round": checkpoint.round} if checkpoint is not None else {}),
         "eval": {"num_train": scores["num_train"], "num_test": scores["num_test"],
                  "feature_dim": scores["feature_dim"], "features": "backbone (global average pool)",
                  "knn_k": cfg.eval.knn_k, "knn_temperature": cfg.eval.knn_temperature,
@@ -391,6 +515,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "provenance": provenance(cfg.to_dict(), cfg.train.device),
     }
     writer.write_summary(summary)
+    writer.finished = True
     if writer.tensorboard is not None:
         writer.tensorboard.close()
     writer.plot(f"{cfg.name}: {cfg.method.name} / {cfg.strategy.name}")

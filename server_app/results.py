@@ -101,6 +101,7 @@ class ResultsWriter:
         self.model_path = self.out_dir / "model.pt"
         self.records: list[dict[str, Any]] = []
         self.stopped = False  # set once a "stopped: why" line is written
+        self.finished = False  # set once summary.json is written
         self.tensorboard = TensorBoardLog(self.out_dir / "tensorboard", resume_round) if tensorboard else None
         if resume_round is None:
             self.metrics_path.write_text("")

@@ -33,7 +33,8 @@ from .aggregation import sample_clients, weighted_average, weighted_mean
 from .nodes import client_timeline, query_partitions, send_and_receive
 from .options import check_choice
 from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, code_identity,
-                         code_mismatch_reason, from_array_record, record_bytes, record_manifest, to_array_record)
+                         code_mismatch_reason, from_array_record, readable_reason, record_bytes, record_manifest,
+                         to_array_record)
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 # Per-step client figures whose maxima per client and per run go to summary.json (the clients' ``res.*`` metrics).
@@ -336,7 +337,7 @@ class FedSSL(Strategy):
             screened.append(r)
         valid = sum(not r.has_error() for r in screened)
         if valid < self.min_replies:
-            reasons = "; ".join(r.error.reason for r in screened if r.has_error()) or "no reply"
+            reasons = "; ".join(readable_reason(r.error.reason) for r in screened if r.has_error()) or "no reply"
             raise NotEnoughValidReplies(
                 f"round {server_round}: {valid} valid replies, fewer than federation.min_replies={self.min_replies} "
                 f"({reasons}); the global model is unchanged")
@@ -391,7 +392,7 @@ class FedSSL(Strategy):
                 pid = pid_of_message.get(r.metadata.reply_to_message_id)
                 if pid is None:  # no message id to match (not pushed through a SuperLink): the sending node's client
                     pid = pid_of_node.get(r.metadata.src_node_id)
-                failed[pid if pid is not None else f"node {r.metadata.src_node_id}"] = r.error.reason
+                failed[pid if pid is not None else f"node {r.metadata.src_node_id}"] = readable_reason(r.error.reason)
         for m in sent:
             pid = pid_of_node.get(m.metadata.dst_node_id)
             if pid is not None and pid not in answered and pid not in failed:
@@ -437,7 +438,7 @@ class FedSSL(Strategy):
         """What a checkpoint must hold to resume this strategy exactly: (plain JSON-able state, arrays, on-disk
         stores by name -> folder). Subclasses extend all three (call super)."""
         stores = {"server-side": str(self.server_store.root)} if self.server_store is not None else {}
-        return {"client_resources": copy.deepcopy(self.client_resources)}, {}, stores
+        return {"client_resources": copy.deepcopy(self.client_resources), "bytes_totals": self.bytes_totals()}, {}, stores
 
     def restore_state(self, plain: dict[str, Any], arrays: dict[str, np.ndarray], stores: dict[str, str]) -> None:
         """Undo ``checkpoint_state`` after ``prepare`` (``stores``: name -> the checkpoint's snapshot folder)."""
@@ -445,6 +446,14 @@ class FedSSL(Strategy):
             self.server_store.replace_with(stores["server-side"])
         if "client_resources" in plain:
             self.client_resources = copy.deepcopy(plain["client_resources"])
+        self._bytes_before = dict(plain.get("bytes_totals", {"up": 0, "down": 0}))
+
+    def bytes_totals(self) -> dict[str, int]:
+        """Bytes up and down of the whole run so far: the rounds before a resume (from its checkpoint) and this
+        process's rounds."""
+        before = getattr(self, "_bytes_before", {"up": 0, "down": 0})
+        return {"up": int(before["up"] + sum(r["bytes_up"] for r in self.round_records.values())),
+                "down": int(before["down"] + sum(r["bytes_down"] for r in self.round_records.values()))}
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped
@@ -522,8 +531,8 @@ class FedSSL(Strategy):
     def resource_summary(self) -> dict[str, Any]:
         """summary.json's "resources": the clients' figures, with the run's bytes both ways."""
         out = copy.deepcopy(self.client_resources)
-        out["run"]["bytes_up"] = int(sum(r["bytes_up"] for r in self.round_records.values()))
-        out["run"]["bytes_down"] = int(sum(r["bytes_down"] for r in self.round_records.values()))
+        totals = self.bytes_totals()  # the whole run, a resumed one too
+        out["run"]["bytes_up"], out["run"]["bytes_down"] = totals["up"], totals["down"]
         out["units"] = ("bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward "
                         "/ 2); flops_run = per-sample FLOPs x images trained, summed over rounds; mem_* analytic bytes "
                         "of one fp32 step at the training batch; rss_peak_bytes the client process's peak during "

@@ -76,3 +76,42 @@ def test_a_serverapp_killed_mid_round_resumes_to_the_same_final_metrics(tmp_path
     a, b = (json.loads((d / "summary.json").read_text()) for d in (alone, cut))
     for key in ("linear_probe_acc", "knn_acc", "final_train_loss", "bytes_up_total", "rounds_completed"):
         assert b[key] == a[key], key
+    # The books of the whole run, not of the resumed part: bytes of every round, the time before the cut too
+    for key in ("bytes_up", "bytes_down"):
+        assert b["resources"]["run"][key] == a["resources"]["run"][key] == a[f"{key}_total"], key
+    assert b["resumed_after_round"] == 2 and b["run_s"] > b["run_s_this_process"] > 0
+    meta = json.loads((cut / "checkpoints" / "round-000002" / "meta.json").read_text()) \
+        if (cut / "checkpoints" / "round-000002").is_dir() else None
+    assert meta is None or b["run_s"] >= meta["elapsed_s"] + b["run_s_this_process"] - 1e-6
+
+    # Resuming the finished run again: it says so and changes no file
+    before = {p: p.read_bytes() for p in cut.rglob("*") if p.is_file()}
+    proc = flwr_run(f"resume='{cut}' config='configs/smoke.yaml' train.lr=0.5", tmp_path / "flwr-again")
+    after = {p: p.read_bytes() for p in cut.rglob("*") if p.is_file()}
+    assert after == before
+    assert "finished (round 3 of 3, summary.json written): nothing to do, nothing changed" in proc.stdout + proc.stderr
+
+
+def test_a_resume_names_what_it_ignores_and_refuses_a_checkpoint_of_another_model(tmp_path, monkeypatch):
+    """In process: the ServerApp's resume checks, without a federation."""
+    import numpy as np
+
+    from server_app.app import check_checkpoint_fits, ignored_on_resume
+    from server_app.experiment import load_experiment
+    from ssl_models.config import ConfigError
+    from ssl_models.factory import build_ssl_model, state_to_numpy
+
+    cfg, _ = load_experiment({"config": "configs/smoke.yaml", "data.dataset": "synthetic"})
+    note = ignored_on_resume({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic", "rounds": 9,
+                              "resume": "x"}, cfg)
+    assert "run-config keys ['data.dataset', 'rounds'] ignored" in note
+    assert "the given config's" in note and "strategy.name ('fedema'; the run's 'fedssl')" in note
+    state = state_to_numpy(build_ssl_model(cfg, seed=0).state_dict())
+    check_checkpoint_fits(cfg, state)  # its own model fits
+    wrong = dict(state)
+    wrong["backbone.stem.0.weight"] = np.zeros((3, 3, 3, 3), np.float32)
+    wrong["backbone.extra"] = np.zeros(2, np.float32)
+    with pytest.raises(ConfigError, match=r"^resume: the checkpoint's global model does not fit .*"
+                                          r"backbone.stem.0.weight is \(3, 3, 3, 3\) in the checkpoint, \(\d+, 3, 3, 3\) in "
+                                          r"the model; backbone.extra is not in the model"):
+        check_checkpoint_fits(cfg, wrong)

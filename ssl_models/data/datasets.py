@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,14 @@ def _build_image_data(
     y_test = validate_labels(y_test, "y_test", x_test.shape[0], source)
     implied = _count_classes(y_train, y_test)
     if num_classes is None:
+        # Labels must be the classes 0..K-1: one stray label (1000 among 0..9) would otherwise make 1 001 classes,
+        # 991 of them without an image, and every score would be read against the wrong chance level.
+        absent = np.setdiff1d(np.arange(implied), np.unique(y_train))
+        if absent.size:
+            stray = sorted(int(v) for v in np.unique(np.concatenate([y_train, y_test])) if v > absent.min())[:5]
+            raise ValueError(f"{source}: labels must be the classes 0..K-1, each with training images; these labels "
+                             f"imply {implied} classes but {absent.size} of them have no training image (the first: "
+                             f"{int(absent[0])}); labels above it: {stray}")
         num_classes = implied
     elif implied > num_classes:
         raise ValueError(f"{source}: labels go up to {implied - 1} but the data set has {num_classes} classes")
@@ -203,6 +212,30 @@ def _write_decoded(entry: Path, arrays: dict[str, np.ndarray], resolved_path: st
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
+def _read_npz_archive(resolved_path: str, source: str) -> dict[str, np.ndarray]:
+    """The four arrays of an .npz archive; a file that is not a complete archive (truncated, another format: numpy
+    would say "File is not a zip file", or, for a file that is not a zip at all, talk of "pickled data") is a
+    ValueError naming the file and what to check."""
+    try:
+        with np.load(resolved_path, allow_pickle=False) as archive:
+            if not hasattr(archive, "files"):  # a plain .npy array saved under an .npz name
+                raise ValueError(f"{source} holds a single array, not an .npz archive of {list(NPZ_KEYS)}")
+            missing = [key for key in NPZ_KEYS if key not in archive.files]
+            if missing:
+                raise ValueError(
+                    f"{source} lacks the arrays {missing}; it must hold {list(NPZ_KEYS)} (has {archive.files})"
+                )
+            return {key: archive[key] for key in NPZ_KEYS}
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise ValueError(f"{source} is not a complete .npz archive ({type(exc).__name__}: {exc}); a truncated copy "
+                         "or another format? Write it again with numpy.savez") from None
+    except ValueError as exc:
+        if "pickled" in str(exc) or "allow_pickle" in str(exc):
+            raise ValueError(f"{source} is not an .npz archive of arrays (numpy read it as pickled data); write it "
+                             f"with numpy.savez({', '.join(f'{k}=...' for k in NPZ_KEYS)})") from None
+        raise
+
+
 def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> ImageData:
     """Read and validate one .npz file; keyed on (path, mtime, size) so an edited file is re-read.
 
@@ -214,13 +247,7 @@ def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> Imag
     entry = _decoded_entry(resolved_path, mtime_ns, size_bytes)
     arrays = _read_decoded(entry, resolved_path, mtime_ns, size_bytes) if entry is not None else None
     if arrays is None:
-        with np.load(resolved_path, allow_pickle=False) as archive:
-            missing = [key for key in NPZ_KEYS if key not in archive.files]
-            if missing:
-                raise ValueError(
-                    f"{source} lacks the arrays {missing}; it must hold {list(NPZ_KEYS)} (has {archive.files})"
-                )
-            arrays = {key: archive[key] for key in NPZ_KEYS}
+        arrays = _read_npz_archive(resolved_path, source)
         data = _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
         if entry is not None:
             _write_decoded(entry, {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test,
