@@ -281,8 +281,11 @@ def check_checkpoint_fits(cfg: ExperimentConfig, global_arrays: Mapping[str, np.
         return  # no global model (Hetero-SSFL): nothing to compare
     model = build_ssl_model(cfg, seed=cfg.seed)  # a layer-wise run's full-depth model holds every grown block
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    def fits(value, shape: tuple) -> bool:  # a scalar (BatchNorm's counter) may be stored as one element
+        return tuple(np.shape(value)) == shape or (np.size(value) == 1 and int(np.prod(shape)) == 1)
+
     wrong = [f"{k} is {tuple(np.shape(v))} in the checkpoint, {shapes[k]} in the model" for k, v in global_arrays.items()
-             if k in shapes and tuple(np.shape(v)) != shapes[k]]
+             if k in shapes and not fits(v, shapes[k])]
     unknown = [k for k in global_arrays if k not in shapes]
     if wrong or unknown:
         details = wrong[:limit] + [f"{k} is not in the model" for k in unknown[:limit]]
