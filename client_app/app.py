@@ -28,6 +28,24 @@ APP_IMPORTED_AT = time.time()
 app = ClientApp()
 
 
+CLIENT_INFO_RECORD = "client-info"  # where a round ran: host, and in a simulation the Ray node
+
+
+def where_this_runs() -> ConfigRecord:
+    """The host of this ClientApp and, inside a simulation's Ray worker, the Ray node's id and IP address (on a Ray
+    cluster of several machines: which one trained this client's round), for metrics.jsonl."""
+    info = {"host": platform.node()}
+    if in_simulation():
+        try:
+            import ray
+
+            info["ray-node"] = str(ray.get_runtime_context().get_node_id())
+            info["node-ip"] = str(ray.util.get_node_ip_address())
+        except Exception:  # noqa: BLE001 - a description, never a reason to fail a round
+            pass
+    return ConfigRecord(info)
+
+
 def refuse_other_code(msg: Message) -> None:
     """Every handler's first step: a message from a ServerApp running other code is refused (``CodeMismatch``,
     an error reply naming both digests and where this ClientApp's code was loaded from)."""
@@ -199,7 +217,8 @@ def train(msg: Message, context: Context) -> Message:
             metrics[f"rule.{key}"] = int(value)
         elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
-    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)})
+    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
+                        CLIENT_INFO_RECORD: where_this_runs()})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -217,7 +236,8 @@ def train_similarity(msg: Message, context: Context) -> Message:
         topk_fraction=float(config.get("topk-fraction", 0.0)) or None, log=r.log,
     )
     reply = RecordDict({SIMILARITY_RECORD: to_array_record(result.payload),
-                        "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()})})
+                        "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()}),
+                        CLIENT_INFO_RECORD: where_this_runs()})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -237,7 +257,8 @@ def train_kernel(msg: Message, context: Context) -> Message:
     for key, value in result.info.items():  # CKA to K_bar before/after, the alignment term's mean value
         if isinstance(value, (bool, int, float)):
             metrics[f"align.{key}"] = float(value)
-    reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics)})
+    reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics),
+                        CLIENT_INFO_RECORD: where_this_runs()})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -289,6 +310,7 @@ def train_layerwise(msg: Message, context: Context) -> Message:
             metrics[f"lw.{key}"] = int(value)
         elif isinstance(value, float):
             metrics[f"lw.{key}"] = value
-    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)})
+    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
+                        CLIENT_INFO_RECORD: where_this_runs()})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)

@@ -502,6 +502,9 @@ class FedSSL(Strategy):
                     record[key[len(prefix):]] = m[key]
             if key.startswith("precision."):  # what the local steps ran in: fp32, bf16 or fp16
                 record["precision"] = key[len("precision."):]
+        where = reply.content.config_records.get("client-info")  # the host (and Ray node) that ran the round
+        if where is not None:
+            record.update({key.replace("-", "_"): str(where[key]) for key in where.keys()})
         timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
         if timeline:
             record["timeline_s"] = timeline
