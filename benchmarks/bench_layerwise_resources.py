@@ -75,8 +75,8 @@ LABELS = {"fedmocov3": "FedMoCoV3", "lwfedssl": "LW-FedSSL", "fedmoco_lw": "FedM
           "fll_dd": "FLL+DD"}
 BYTE_FIELDS = ("bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads")
 SIM_ROUNDS_PER_STAGE = 3
-# The pinned (calibration) version's claims, FedMoCoV3 / X, and v4's Table 2 (batch 512, no calibration; papers.md
-# section 2.4): memory 8.72 / 2.61 / 8.69 GB, FLOPs 586 / 139 / 318 G, communication 8.40 / 1.66 / 5.04 GB.
+# The pinned (calibration) version's claims, FedMoCoV3 / X, and v4's Table 2 (batch 512, no calibration;
+# the arXiv v4 text): memory 8.72 / 2.61 / 8.69 GB, FLOPs 586 / 139 / 318 G, communication 8.40 / 1.66 / 5.04 GB.
 PAPER = {
     "lwfedssl": {"memory": 3.3, "flops": 2.1, "comm": 3.2, "down": 1.8, "up": 12.0},
     "prog_fedssl": {"memory": 1.0, "flops": 1.8, "comm": 1.8},  # memory: "the same as end-to-end training"
@@ -482,7 +482,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
               "of which download 1.8x and upload 12x (these decompose exactly as the encoder alone would: 12 blocks "
               "against 1 up, 12 x 15 against 15 x (1 + ... + 12) blocks down); Prog-FedSSL 1.8x FLOPs and "
               "communication and the same memory as end to end. v4's Table 2 (batch 512, no calibration, heads "
-              "hidden 512; papers.md section 2.4), for the shape: "
+              "hidden 512; arXiv v4), for the shape: "
               + "; ".join(f"{LABELS[v]} memory {V4_TABLE2['fedmocov3'][0] / V4_TABLE2[v][0]:.2f}x, FLOPs "
                           f"{V4_TABLE2['fedmocov3'][1] / V4_TABLE2[v][1]:.2f}x, communication "
                           f"{V4_TABLE2['fedmocov3'][2] / V4_TABLE2[v][2]:.2f}x" for v in ("lwfedssl", "prog_fedssl"))

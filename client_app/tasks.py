@@ -268,7 +268,7 @@ def _write_cached_resources(path: Path | None, figures: dict[str, float]) -> Non
 
 def step_resources(method, *, optimizer: str, batch_size: int, sgd_momentum: float, device,
                    image_shape: tuple[int, ...], context: str = "") -> dict[str, float]:
-    """Per-step resources of local training (papers.md section 5), on deep copies of ``method``: FLOPs per sample
+    """Per-step resources of local training (docs/methods/lwfedssl.md, Resource accounting), on deep copies of ``method``: FLOPs per sample
     (image, both views) of one step (``flops_forward``, ``flops_backward``, ``flops_total`` and the forward / 2
     ``flops_fvcore_equivalent`` that the LW-FedSSL paper tabulates), counted on a batch of at most 8, and the analytic
     memory of one step at ``batch_size`` (``mem_parameters``, ``mem_gradients``, ``mem_optimizer``,

@@ -283,10 +283,14 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
     if command:
         lines += [f"Command: `{command}`", ""]
     if runs:
-        lines += [f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
+        lines += ["<!-- --8<-- [start:scale] -->",
+                  f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
                   "Accuracies in %; mean ± sample standard deviation over the row's seeds (no ± with one seed); "
-                  "gain = linear probe minus the same seed's random-init encoder, in points.", ""]
-    lines += ["| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
+                  "gain = linear probe minus the same seed's random-init encoder, in points.",
+                  "<!-- --8<-- [end:scale] -->", ""]
+    # the table and its notes between snippet markers: a docs page includes them with "report.md:table"
+    lines += ["<!-- --8<-- [start:table] -->", "",
+              "| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
               "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
@@ -304,6 +308,7 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
         lines += ["", "Within their seed spread (not ranked):", ""] + [f"- {n}" for n in notes]
     if missing:
         lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
+    lines += ["", "<!-- --8<-- [end:table] -->"]
     plots = draw_plots(out_dir, rows)
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]

@@ -181,7 +181,8 @@ class StudyRunner:
         if (folder / "summary.json").is_file():
             self.durations.append(seconds)
             return self._finish(info, info_path, RunOutcome(variant, seed, folder, "finished", seconds), head)
-        reason = last_progress_line(folder) or f"flwr status {status}, no summary.json"
+        last = last_progress_line(folder)
+        reason = f"flwr status {status}, no summary.json" + (f"; the run's last line: {last}" if last else "")
         return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", seconds, reason), head)
 
     def _finish(self, info: dict, info_path: Path, outcome: RunOutcome, head: str) -> RunOutcome:

@@ -48,24 +48,24 @@ DEVICES = ("auto", "cpu", "cuda")
 class DataConfig:
     """Where the images come from and how they are split between clients and the server."""
 
-    dataset: str = "cifar10"
+    dataset: str = "cifar10"  # cifar10, cifar100, stl10, npz (a file named by ``path``) or synthetic (generated)
     # An .npz file (x_train, y_train, x_test, y_test) or a torchvision root folder. Empty: the
     # torchvision default root ``~/.cache/fedssl/data``.
     path: str = ""
-    download: bool = False
+    download: bool = False  # let torchvision download cifar10 / cifar100 / stl10 when its files are missing
     # Class-stratified subsample of the training set before anything else; 0 keeps everything.
     max_train: int = 0
-    partition: str = "pathological"
+    partition: str = "pathological"  # split between clients: iid, dirichlet (alpha, min_size) or pathological
     alpha: float = 0.5  # Dirichlet concentration
     min_size: int = 10  # Dirichlet: resample until every client has at least this many images
-    classes_per_client: int = 2  # pathological
+    classes_per_client: int = 2  # pathological: the number of classes each client's images come from
     # Server-held public/auxiliary split carved from the training data before partitioning and never
     # given to any client: a count (>= 1) or a fraction (< 1); 0 disables it.
     public_size: float = 0.0
     # Sizes of the synthetic data set (dataset: synthetic).
-    synthetic_train: int = 600
-    synthetic_test: int = 200
-    synthetic_classes: int = 10
+    synthetic_train: int = 600  # training images of the synthetic data set
+    synthetic_test: int = 200  # test images of the synthetic data set
+    synthetic_classes: int = 10  # classes of the synthetic data set (>= 2)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    name: str = "byol"
+    name: str = "byol"  # the SSL method: byol, moco, mocov3, simclr or simsiam (its options: below)
     options: dict = field(default_factory=dict)  # checked against the method registry
 
 
@@ -93,13 +93,13 @@ class MethodConfig:
 class TrainConfig:
     """Local SSL training on each client."""
 
-    local_epochs: int = 5
-    batch_size: int = 128
-    drop_last: bool = True
-    optimizer: str = "sgd"
-    lr: float = 0.032
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    local_epochs: int = 5  # passes over the client's own images per round (>= 1)
+    batch_size: int = 128  # images per local step (>= 2: contrastive losses need pairs)
+    drop_last: bool = True  # skip each epoch's last incomplete batch
+    optimizer: str = "sgd"  # sgd, adam or adamw (other hyper-parameters: torch.optim's defaults)
+    lr: float = 0.032  # learning rate of round 1 (the schedule below sets the later rounds')
+    momentum: float = 0.9  # SGD momentum, in [0, 1); unused by adam / adamw
+    weight_decay: float = 5e-4  # L2 weight decay of the local optimizer (>= 0)
     # Cosine decay of the learning rate across rounds (constant within a round), as in EasyFL.
     lr_schedule: str = "cosine"
     # bfloat16 autocast on CPUs with AMX/AVX512-BF16, mixed precision on CUDA, channels-last memory.
@@ -107,7 +107,7 @@ class TrainConfig:
     # torch.compile the training step (inductor); minutes of compilation per new model on a small CPU, so off
     # by default; where compilation fails the step runs eagerly and the round's metrics say why.
     compile: bool = False
-    device: str = "auto"
+    device: str = "auto"  # where clients train: auto (CUDA when available, else CPU), cpu or cuda
     # Cap on local optimisation steps per epoch (0 = no cap); for quick experiments and benchmarks.
     max_steps_per_epoch: int = 0
 
@@ -125,19 +125,19 @@ class AugmentConfig:
 
     crop_scale: list = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area fraction (low, high)
     crop_ratio: list = field(default_factory=lambda: [3.0 / 4.0, 4.0 / 3.0])  # aspect ratio (low, high)
-    flip_p: float = 0.5
+    flip_p: float = 0.5  # probability of a horizontal flip
     brightness: float = 0.4  # colour-jitter strengths, as torchvision's ColorJitter
-    contrast: float = 0.4
-    saturation: float = 0.4
-    hue: float = 0.1
+    contrast: float = 0.4  # colour-jitter contrast strength (>= 0)
+    saturation: float = 0.4  # colour-jitter saturation strength (>= 0)
+    hue: float = 0.1  # colour-jitter hue strength, in [0, 0.5]
     jitter_p: float = 0.8  # probability that a view is colour-jittered
-    grayscale_p: float = 0.2
+    grayscale_p: float = 0.2  # probability that a view is turned to grayscale
     blur_p: float = 0.0  # probability of a Gaussian blur (after grayscale)
     blur_sigma: list = field(default_factory=lambda: [0.1, 2.0])  # sigma ~ U(low, high), in pixels
     blur_kernel_size: int = 0  # odd side of the blur kernel; 0: 10 % of the image side made odd (3 at 32x32)
     normalize: bool = False  # input normalisation (x - mean) / std inside the encoder
     mean: list = field(default_factory=lambda: [0.4914, 0.4822, 0.4465])  # per channel (CIFAR-10 train stats)
-    std: list = field(default_factory=lambda: [0.2470, 0.2435, 0.2616])
+    std: list = field(default_factory=lambda: [0.2470, 0.2435, 0.2616])  # per channel, each > 0
 
     def input_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """(mean, std) of the encoder's input-normalisation layer, or None without normalisation."""
@@ -148,16 +148,16 @@ class AugmentConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = "fedssl"
+    name: str = "fedssl"  # the server's federated algorithm, one of the strategies below (their options: below)
     options: dict = field(default_factory=dict)  # checked against the strategy registry
 
 
 @dataclass
 class FederationConfig:
-    num_clients: int = 5
+    num_clients: int = 5  # clients (data partitions) in the federation
     clients_per_round: int = 0  # 0: every client every round
     min_available_clients: int = 0  # 0: equal to num_clients
-    round_timeout_s: float = 3600.0
+    round_timeout_s: float = 3600.0  # seconds the server waits for a round's replies; a client later counts as failed
     # How long the server waits at start for all clients' nodes to connect (deployments).
     node_wait_s: float = 300.0
     # Every client reply is validated before it is used; a round goes on with at least this many valid replies
@@ -171,14 +171,14 @@ class EvalConfig:
     """The fixed evaluation protocol (see ssl_models/evaluation/protocol.py)."""
 
     knn_every: int = 10  # rounds between kNN monitors; 0 disables; the last round is always measured
-    knn_k: int = 200
-    knn_temperature: float = 0.1
-    linear_probe: bool = True
-    probe_epochs: int = 100
+    knn_k: int = 200  # neighbours of the weighted kNN classifier on the encoder's features
+    knn_temperature: float = 0.1  # temperature of the kNN's vote weights exp(similarity / t) (> 0)
+    linear_probe: bool = True  # at the end, also fit a linear classifier on the frozen features and score it
+    probe_epochs: int = 100  # epochs of that linear probe
     # Class-stratified subsamples of the labelled train (kNN bank / probe fit) and test sets; 0 = all.
     max_train: int = 0
-    max_test: int = 0
-    device: str = "auto"
+    max_test: int = 0  # test images scored (class-stratified subsample); 0 = all
+    device: str = "auto"  # where the server evaluates: auto, cpu or cuda
     # Score a randomly initialised encoder of the run's architecture(s) (the run's own initial weights) with
     # the same protocol, once per run, and report every score's gain over it.
     random_init_reference: bool = True
@@ -203,10 +203,10 @@ class LoggingConfig:
 
 @dataclass
 class ExperimentConfig:
-    name: str = "experiment"
-    seed: int = 0
-    rounds: int = 100
-    output_dir: str = ""  # empty: ./outputs/<name>-<timestamp>
+    name: str = "experiment"  # the run's name, in its output folder's name and its reports
+    seed: int = 0  # seeds the split, the initial model, client sampling and every local training
+    rounds: int = 100  # federated rounds (>= 1)
+    output_dir: str = ""  # where the run's results go; empty: ``./outputs/<name>-<timestamp>``
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)

@@ -50,10 +50,12 @@ class FedEMA(FedSSL):
             # autoscaler: lambda = tau / d once per client (its first mu is tau under full participation);
             # lambda: fixed lambda; constant: fixed mu_encoder / mu_predictor.
             "mu_mode": "autoscaler",
-            "tau": 0.7,
-            "lambda": 1.0,
-            "mu_encoder": 0.5,
-            "mu_predictor": 0.5,
+            "tau": 0.7,  # autoscaler: a client's lambda = tau / d, d its divergence at its first update (> 0)
+            "lambda": 1.0,  # mu_mode lambda: the fixed lambda of mu = min(lambda d, 1) (> 0)
+            "mu_encoder": 0.5,  # mu_mode constant: mu of the online encoder and projector, in [0, 1]
+            "mu_predictor": 0.5,  # mu_mode constant: mu of the predictor, in [0, 1]
+            # which parts take the EMA W_k <- mu W_k + (1 - mu) W_g: both, encoder (online encoder and projector)
+            # or predictor; the other parts take the global weights
             "ema_scope": "both",
             # paper: ||W_g - W_k|| over the online encoder's parameters; easyfl: the official code's mean
             # per-layer distance of conv weights between the start and end of the previous local training.

@@ -17,6 +17,8 @@ class FedProx(FedSSL):
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
+        # proximal_mu: weight mu of the proximal term towards the received global weights (>= 0; 0 turns it off).
+        # proximal_form: paper, (mu/2) ||w - w_g||^2; code, mu ||w - w_g||^2 (the FLESD code's FedProx baseline).
         return {**super().default_options(), "proximal_mu": 1e-4, "proximal_form": "paper"}
 
     @classmethod

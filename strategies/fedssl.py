@@ -90,7 +90,14 @@ class FedSSL(Strategy):
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
-        # client_state: where each client's state lives between rounds (fedssl_wire.py).
+        # update_both: at download the client's target branch (BYOL target, MoCo key encoder) takes the global
+        #   online weights too (the FedEMA paper's update-both); false: the target stays the client's own. For
+        #   fedssl and fedprox (the other strategies refuse true); not with aggregate_target.
+        # aggregate_target: clients also upload their target branch and take the server's average of it (EasyFL's
+        #   "aggregate the target too"). For fedssl and fedprox, as update_both; not with update_both.
+        # client_state: where each client's state lives between rounds (fedssl_wire.py): disk (a folder of the
+        #   node's state-dir; in a simulation, of the run's output folder), memory (the SuperNode process's memory)
+        #   or server (kept on the server's disk and travelling with every message).
         return {"update_both": False, "aggregate_target": False, "client_state": "disk"}
 
     @classmethod

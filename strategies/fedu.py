@@ -27,6 +27,10 @@ class FedU(FedSSL):
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
+        # threshold: the client's predictor takes the global one only when the divergence is below this (> 0).
+        # divergence: easyfl, the mean per-layer L2 distance of the backbone's conv weights between the start and
+        #   end of the client's previous local training (the 0.4 was tuned on it); paper, ||W_g - W_k|| over the
+        #   online encoder's parameters (3-4x larger on the same models).
         return {**super().default_options(), "threshold": 0.4, "divergence": "easyfl"}
 
     def aggregate_train(self, server_round, replies):

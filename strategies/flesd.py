@@ -50,18 +50,18 @@ class FLESD(FedSSL):
             "public_source": "split",
             # Upload: dense-fp32, dense-fp16, or topk (the top n% entries of each row as fp16 values + indices).
             "similarity": "topk",
-            "topk_fraction": 0.1,
+            "topk_fraction": 0.1,  # similarity topk: fraction of each row kept, in (0, 1] (floor(f N) + 1 entries)
             # zero_similarity: a dropped similarity is 0 before the exp (the paper's text and the official code);
             # zero_probability: a dropped entry gets probability 0 (masked after the exp).
             "sparsify": "zero_similarity",
             "target_temperature": 0.1,  # tau_T of the ensemble
             "student_temperature": 0.1,  # tau_S of the distillation
             "distill_iterations": 1000,  # J
-            "distill_batch_size": 128,
-            "queue_size": 2048,
-            "distill_momentum": 0.999,
-            "distill_lr": 1e-3,
-            "distill_weight_decay": 1e-6,
+            "distill_batch_size": 128,  # B, public images per distillation step (at most the public set)
+            "queue_size": 2048,  # K, anchor keys in the distillation's queue
+            "distill_momentum": 0.999,  # EMA momentum of the momentum key encoder, in [0, 1]
+            "distill_lr": 1e-3,  # Adam learning rate of the distillation (> 0)
+            "distill_weight_decay": 1e-6,  # Adam weight decay of the distillation
             # start: the first ceil(K / B) iterations only fill the queue; every_epoch: at every epoch over the
             # public set, as the official code.
             "queue_warmup": "start",
@@ -87,6 +87,8 @@ class FLESD(FedSSL):
         for key in ("target_temperature", "student_temperature", "distill_iterations", "distill_batch_size",
                     "queue_size", "distill_lr"):
             check_positive(options, key)
+        if float(options["distill_weight_decay"]) < 0:
+            raise ValueError(f"strategy.options.distill_weight_decay: must be >= 0, got {options['distill_weight_decay']!r}")
         check_unit(options, "distill_momentum")
 
     def prepare(self, cfg, data, split) -> None:

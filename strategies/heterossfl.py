@@ -80,6 +80,7 @@ class HeteroSSFL(FedSSL):
     name = "heterossfl"
     client_update = "heterossfl"
     supports_mixed_archs = True
+    target_options = False  # clients exchange kernels, never weights: no target branch to send or receive
     message_type = KERNEL_MESSAGE_TYPE
 
     @classmethod
@@ -91,7 +92,7 @@ class HeteroSSFL(FedSSL):
             "kernel": "linear",  # linear: K = A A^T (the paper) | rbf
             "rbf_threshold": 0.5,  # RBF bandwidth: threshold x median distance
             "kernel_encoding": "dense-fp32",  # dense-fp32 | dense-fp16 | topk (FLESD's top-n% rows), both ways
-            "topk_fraction": 0.1,
+            "topk_fraction": 0.1,  # kernel_encoding topk: fraction of each row kept, in (0, 1] (floor(f N) + 1 entries)
             "kernel_weights": "uniform",  # uniform | data_size (w_j proportional to client j's images)
             # frobenius: each client scales its kernel to ||H K H||_F = 1 before upload, so uniform weights weigh
             # clients equally (CKA is scale-free) | none: raw K = A A^T (larger representations weigh more)
@@ -114,8 +115,6 @@ class HeteroSSFL(FedSSL):
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         super().check_options(options)
-        if options["update_both"]:
-            raise ValueError("strategy.options.update_both: Hetero-SSFL exchanges no weights; keep it false")
         check_choice(options, "representation", REPRESENTATIONS)
         check_choice(options, "kernel", KERNEL_FUNCTIONS)
         check_choice(options, "kernel_encoding", ENCODING_MODES)

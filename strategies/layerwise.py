@@ -1,5 +1,5 @@
 """Layer-wise federated SSL on a growable ViT: LW-FedSSL, FedMoCo-LW, Prog-FedSSL and FLL+DD (Tun et al.,
-*LW-FedSSL*, the version with server-side calibration and representation alignment; papers.md section 2).
+*LW-FedSSL*, the version with server-side calibration and representation alignment; docs/methods/lwfedssl.md).
 
 Training runs in S stages over R rounds (``stages``; R_s per ``allocation``: uniform, right_skewed, left_skewed).
 The server learns the stage from the round; at a stage's first round it appends block s to the global encoder
@@ -542,6 +542,7 @@ class FLLDD(LayerwiseFedSSL):
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
+        # depth_dropout: probability, in [0, 1], that a frozen block is skipped in a local training forward.
         return {**super().default_options(), "depth_dropout": 0.5}
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Tests for FLOP and memory accounting (papers.md section 5): reference figures at full width, batch 2;
+"""Tests for FLOP and memory accounting (docs/methods/lwfedssl.md, Resource accounting): reference figures at full width, batch 2;
 hand-computed memory on tiny models."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_resnet18_reference_flops_and_frozen_layers() -> None:
     counts = backbone_training_flops(resnet, SHAPE)
     assert rel_close(counts["forward"] / 1e9, 1.1108)
     assert rel_close(counts["total"] / 1e9, 3.329)
-    # only layer4 trainable: the backward stops there (papers.md: 1.606 GFLOP)
+    # only layer4 trainable: the backward stops there (reference: 1.606 GFLOP)
     for name, parameter in resnet.named_parameters():
         parameter.requires_grad_(name.startswith("layer4."))
     assert rel_close(backbone_training_flops(resnet, SHAPE)["total"] / 1e9, 1.606)

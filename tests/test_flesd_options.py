@@ -64,6 +64,8 @@ def test_old_sparsify_names_are_refused_with_the_new_ones():
         FLESD.check_options({**FLESD.default_options(), "queue_warmup": "never"})
     with pytest.raises(ValueError, match=r"^strategy.options.key_encoder: must be one of carry_over, fresh_each_round"):
         FLESD.check_options({**FLESD.default_options(), "key_encoder": "new"})
+    with pytest.raises(ValueError, match=r"^strategy.options.distill_weight_decay: must be >= 0, got -1e-06"):
+        FLESD.check_options({**FLESD.default_options(), "distill_weight_decay": -1e-6})
     cfg, _ = load_experiment({"config": "configs/smoke-flesd.yaml", "data.dataset": "synthetic"})
     assert cfg.strategy.options["sparsify"] == "zero_similarity"  # the resolved config records what was used
     assert cfg.strategy.options["queue_warmup"] == "start" and cfg.strategy.options["key_encoder"] == "carry_over"

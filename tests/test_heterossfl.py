@@ -528,6 +528,8 @@ def test_config_checks_name_the_key(tmp_path):
              ({"strategy": {"name": "heterossfl", "options": {"refresh": "sometimes"}}}, r"^strategy.options.refresh"),
              ({"strategy": {"name": "heterossfl", "options": {"mu": -1.0}}}, r"^strategy.options.mu: must be >= 0"),
              ({"strategy": {"name": "heterossfl", "options": {"update_both": True}}}, r"^strategy.options.update_both"),
+             ({"strategy": {"name": "heterossfl", "options": {"aggregate_target": True}}},
+              r"^strategy.options.aggregate_target: not supported by strategy 'heterossfl'"),
              ({"strategy": {"name": "heterossfl", "options": {"rad_batch_size": 2}}}, r"^strategy.options.rad_batch"),
              ({"strategy": {"name": "heterossfl", "options": {"kernel_encoding": "int8"}}},
               r"^strategy.options.kernel_encoding"),

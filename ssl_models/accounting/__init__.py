@@ -1,4 +1,4 @@
-"""Resource accounting in pure PyTorch (papers.md section 5): FLOPs of one training step and analytic memory.
+"""Resource accounting in pure PyTorch (docs/methods/lwfedssl.md, Resource accounting): FLOPs of one training step and analytic memory.
 
 - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` (2 FLOPs per multiply-add, the backward that actually
   runs, so frozen layers show up) around one complete training step or one forward;

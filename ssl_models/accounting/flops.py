@@ -1,6 +1,6 @@
 """FLOPs of one training step or one forward, counted with ``torch.utils.flop_counter.FlopCounterMode``.
 
-Conventions (papers.md section 5): 2 FLOPs per multiply-add; only matrix products and convolutions are counted
+Conventions (docs/methods/lwfedssl.md, Resource accounting): 2 FLOPs per multiply-add; only matrix products and convolutions are counted
 (no norms, activations or softmax); the backward counted is the one autograd actually runs, so frozen layers
 (no weight gradient) and the first layer (no input gradient) cost less than 2x their forward. Results are per
 sample: per image of the batch, i.e. for an SSL step both views of that image. ``fvcore_equivalent`` is
@@ -9,8 +9,8 @@ forward / 2, the multiply-add count that fvcore (and the LW-FedSSL paper) report
 Attention on CPU: ``F.scaled_dot_product_attention`` dispatches to
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which FlopCounterMode (torch 2.x) has no formula for, so on
 CPU the two attention matmuls (QK^T and AV, 4 * tokens^2 * D FLOPs per block and sample) are not counted, while on
-CUDA (flash / efficient / cuDNN kernels) they are. The ViT-Tiny/4 reference figures of papers.md section 5
-(0.6913 GFLOP forward) are the CPU count. ``count_cpu_attention=True`` registers formulas for the CPU kernels
+CUDA (flash / efficient / cuDNN kernels) they are. The ViT-Tiny/4 reference figure the tests check
+(0.6913 GFLOP forward) is the CPU count. ``count_cpu_attention=True`` registers formulas for the CPU kernels
 (the same as torch's for the CUDA kernels), making CPU counts match CUDA counts: 0.7303 GFLOP for ViT-Tiny/4.
 """
 

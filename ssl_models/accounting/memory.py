@@ -1,6 +1,6 @@
 """Training memory: an analytic, hardware-independent count and the process's observed RSS peak.
 
-Analytic training memory (papers.md section 5) = parameters + gradients + optimiser state + saved activations:
+Analytic training memory (docs/methods/lwfedssl.md, Resource accounting) = parameters + gradients + optimiser state + saved activations:
 
 - parameters: every parameter of the module (online, heads, frozen blocks and target branch), and buffers
   (BN statistics, a MoCo queue) reported separately;
@@ -131,8 +131,8 @@ def analytic_training_memory(
     target branch and queue.
 
     ``exclude_parameters=False`` also counts parameter/buffer storages that ops save (a layer's weight) as
-    activations, i.e. counts them twice; papers.md's ResNet-18 figures (616 MiB at batch 128, 330 at 64) were
-    taken that way and are 42.6 MiB (the weights) above the default count.
+    activations, i.e. counts them twice; the reference ResNet-18 figures in tests/test_accounting.py (616 MiB at batch 128, 330 at
+    64) were taken that way and are 42.6 MiB (the weights) above the default count.
 
     Returns ``{"parameters", "buffers", "gradients", "optimizer_state", "activations", "total"}``.
     """

@@ -385,7 +385,7 @@ def distillation_targets(
 ) -> torch.Tensor:
     """Soft targets ``S[batch_idx][:, queue_idx]``, each row renormalised to sum 1 (float32, (B, K)).
 
-    A row whose entries over the queue are all zero (possible with the paper's sparsification when no queue
+    A row whose entries over the queue are all zero (possible with ``sparsify: zero_probability`` when no queue
     image is among the row's kept entries; FLESD's own enqueue-before-logits order puts the query's own
     image, whose similarity is never dropped, in the queue) gets the uniform distribution 1/K instead of
     NaN. The result is on ``ensemble``'s device.

@@ -32,13 +32,13 @@ class BYOL(SSLMethod):
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         return {
-            "proj_hidden_dim": 4096,
-            "proj_out_dim": 2048,
-            "pred_hidden_dim": 4096,
-            "momentum": 0.99,
-            "use_predictor": True,
-            "stop_gradient": True,
-            "use_ema": True,
+            "proj_hidden_dim": 4096,  # hidden width of the projector (feature_dim -> hidden -> out)
+            "proj_out_dim": 2048,  # projection size (also the predictor's input and output size)
+            "pred_hidden_dim": 4096,  # hidden width of the predictor
+            "momentum": 0.99,  # EMA momentum of the target branch after every step, in [0, 1] (1: frozen target)
+            "use_predictor": True,  # false: no predictor, the online projection regresses the target directly
+            "stop_gradient": True,  # false: the targets are not detached (changes training only without use_ema)
+            "use_ema": True,  # false: no target branch, the targets are the online projections of the other view
         }
 
     def __init__(self, backbone: nn.Module, feature_dim: int, **options: Any) -> None:

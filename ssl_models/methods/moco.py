@@ -42,13 +42,17 @@ class MoCo(SSLMethod):
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         return {
-            "version": 2,
+            "version": 2,  # 1: linear projector; 2: two-layer MLP projector (with BatchNorm)
             "proj_hidden_dim": None,  # None: feature_dim (v2 only)
-            "proj_out_dim": 128,
+            "proj_out_dim": 128,  # size of the queries and keys
             "temperature": None,  # None: 0.07 for v1, 0.2 for v2
-            "momentum": 0.99,
-            "queue_size": 4096,
+            "momentum": 0.99,  # EMA momentum of the key encoder after every step, in [0, 1]
+            "queue_size": 4096,  # K, negative keys kept in the client's queue (it is never exchanged)
+            # true: each view serves once as query and once as key, the two InfoNCE terms summed; false: view 1
+            # is the query and view 2 the key only
             "symmetric": True,
+            # true: the key encoder becomes a copy of the received query encoder at every round (as the strategy
+            # option update_both); false: it stays the client's own
             "reset_target_on_new_global": False,
         }
 

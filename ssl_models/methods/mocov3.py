@@ -2,7 +2,7 @@
 
 - Query branch: backbone -> projector -> predictor. Projector: ``num_proj_layers`` (3) layers, hidden 4096, out
   256, "Linear (no bias), BN, ReLU" in between and a final affine-free BN; predictor: ``num_pred_layers`` (2)
-  layers, hidden 4096, out 256, same pattern (papers.md section 0.2).
+  layers, hidden 4096, out 256, same pattern (docs/methods/lwfedssl.md, The encoder and MoCo v3).
 - Key branch: ``target_backbone`` + ``target_projector``, a momentum (EMA) copy of backbone + projector; keys are
   computed under ``no_grad``.
 - Loss: ``ctr(q1, k2) + ctr(q2, k1)`` with ``ctr(q, k) = CE(norm(q) @ norm(k).T / tau, arange(N)) * 2 tau``: in-batch
@@ -57,14 +57,17 @@ class MoCoV3(SSLMethod):
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         return {
-            "proj_hidden_dim": 4096,
-            "proj_out_dim": 256,
-            "pred_hidden_dim": 4096,
-            "num_proj_layers": 3,
-            "num_pred_layers": 2,
-            "temperature": 0.2,
-            "momentum": 0.99,
+            "proj_hidden_dim": 4096,  # hidden width of the projector
+            "proj_out_dim": 256,  # size of the projections and predictions
+            "pred_hidden_dim": 4096,  # hidden width of the predictor
+            "num_proj_layers": 3,  # linear layers of the projector (>= 1)
+            "num_pred_layers": 2,  # linear layers of the predictor (>= 1)
+            "temperature": 0.2,  # tau of the contrastive loss (> 0)
+            "momentum": 0.99,  # m0, EMA momentum of the key encoder, in [0, 1]
+            # constant: m0 throughout; cosine: from m0 at the start of training to 1 at its end (MoCo v3)
             "momentum_schedule": "constant",
+            # true: the key encoder becomes a copy of the received online weights at every round (as the strategy
+            # option update_both); false: it stays the client's own
             "reset_target_on_new_global": False,
         }
 

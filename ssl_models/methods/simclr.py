@@ -24,10 +24,10 @@ class SimCLR(SSLMethod):
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         return {
-            "proj_hidden_dim": 2048,
-            "proj_out_dim": 128,
-            "num_proj_layers": 2,
-            "temperature": 0.5,
+            "proj_hidden_dim": 2048,  # hidden width of the projector
+            "proj_out_dim": 128,  # projection size
+            "num_proj_layers": 2,  # linear layers of the projector (>= 1)
+            "temperature": 0.5,  # tau of the NT-Xent loss (> 0)
             "proj_batch_norm": True,  # BatchNorm after each hidden layer of the projector
         }
 

@@ -23,10 +23,10 @@ class SimSiam(SSLMethod):
     @classmethod
     def default_options(cls) -> dict[str, Any]:
         return {
-            "proj_hidden_dim": 4096,
-            "proj_out_dim": 2048,
-            "pred_hidden_dim": 4096,
-            "stop_gradient": True,
+            "proj_hidden_dim": 4096,  # hidden width of the projector (feature_dim -> hidden -> out)
+            "proj_out_dim": 2048,  # projection size (also the predictor's input and output size)
+            "pred_hidden_dim": 4096,  # hidden width of the predictor
+            "stop_gradient": True,  # false: no stop-gradient on the projections (the collapse ablation)
         }
 
     def __init__(self, backbone: nn.Module, feature_dim: int, **options: Any) -> None:

@@ -1,6 +1,6 @@
 """ViT-Tiny/4 for 32x32 images, growable block by block (LW-FedSSL, Prog-FedSSL, FLL+DD).
 
-Architecture (papers.md section 0.1): a 4x4/stride-4 patch projection ``Conv2d(3, D, 4, 4)`` turns a 32x32 image
+Architecture (docs/methods/lwfedssl.md, The encoder): a 4x4/stride-4 patch projection ``Conv2d(3, D, 4, 4)`` turns a 32x32 image
 into 64 tokens, a learned CLS token is prepended and learned position embeddings (65 tokens) are added; then
 pre-norm transformer blocks (``x + attn(LN(x))``, ``x + mlp(LN(x))``, multi-head self-attention through
 ``torch.nn.functional.scaled_dot_product_attention``, MLP ``D -> 4D -> D`` with GELU) and a final LayerNorm.
