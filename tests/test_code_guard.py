@@ -125,3 +125,69 @@ def test_a_run_on_a_superlink_started_in_another_checkout_stops_naming_both_dige
     app_code_digest.cache_clear()
     assert app_code_digest(other)[:16] in line and app_code_digest(other) != app_code_digest(REPO)
     app_code_digest.cache_clear()
+
+
+@pytest.mark.e2e
+def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another_checkout(tmp_path):
+    """Loopback deployment (a SuperLink and two SuperNodes on this machine): the SuperNodes are started in another
+    checkout whose client code differs, with that checkout first on their PYTHONPATH. Deployed, the code travels
+    with the run (the FAB each node installs), so the guard finds the same digest on both sides and the run
+    finishes; had a node imported the other checkout, its ClientApp would have refused (its digest differs)."""
+    import os
+    import time
+
+    other = tmp_path / "other-checkout"
+    copy_app(other)
+    with (other / "client_app" / "tasks.py").open("a") as fh:
+        fh.write("# a local edit in the other checkout\n")
+    app_code_digest.cache_clear()
+    assert app_code_digest(other) != app_code_digest(REPO)
+    app_code_digest.cache_clear()
+    bin_dir = Path(sys.executable).parent
+    marker = f"FEDSSL_CODE_GUARD_DEPLOY_{os.getpid()}"
+    base = {**os.environ, marker: "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    from flwr_harness import free_port
+
+    port, out, logs = free_port(), tmp_path / "out", tmp_path / "logs"
+    logs.mkdir()
+    (tmp_path / "server").mkdir()
+    procs = []
+    try:
+        procs.append(subprocess.Popen(
+            [str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+             "--host", "127.0.0.1", "--port", str(port)], cwd=tmp_path / "server",
+            env={**base, "FLWR_HOME": str(tmp_path / "server-home"), "FEDSSL_ALLOWED_ROOTS": str(tmp_path)},
+            stdout=(logs / "superlink.log").open("w"), stderr=subprocess.STDOUT))
+        time.sleep(5)
+        for pid in (0, 1):
+            procs.append(subprocess.Popen(
+                [str(bin_dir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                 "--port", str(free_port()), "--node-config", f"partition-id={pid} num-partitions=2"],
+                cwd=other, env={**base, "FLWR_HOME": str(tmp_path / f"node-{pid}-home"), "PYTHONPATH": str(other)},
+                stdout=(logs / f"node-{pid}.log").open("w"), stderr=subprocess.STDOUT))
+        cli_home = tmp_path / "cli-home"
+        cli_home.mkdir()
+        (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "dev"\n\n[superlink.dev]\n'
+                                              f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+        proc = subprocess.run([str(bin_dir / "flwr"), "run", str(REPO), "dev", "--stream", "--run-config",
+                               f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1"],
+                              cwd=REPO, env={**base, "FLWR_HOME": str(cli_home)}, capture_output=True, text=True,
+                              timeout=600, stdin=subprocess.DEVNULL)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        kill_processes_with_env(marker, "1")
+    node_log = (logs / "node-0.log").read_text()
+    assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-3000:] + node_log[-3000:]
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["app_digest"] == app_code_digest(REPO)
+    assert CODE_MISMATCH not in node_log
+    assert f"installed fedssl to {tmp_path / 'node-0-home' / 'apps'}" in node_log  # the FAB, not the checkout

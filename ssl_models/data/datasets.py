@@ -211,7 +211,6 @@ def _write_decoded(entry: Path, arrays: dict[str, np.ndarray], resolved_path: st
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _read_npz_archive(resolved_path: str, source: str) -> dict[str, np.ndarray]:
     """The four arrays of an .npz archive; a file that is not a complete archive (truncated, another format: numpy
     would say "File is not a zip file", or, for a file that is not a zip at all, talk of "pickled data") is a
@@ -236,6 +235,7 @@ def _read_npz_archive(resolved_path: str, source: str) -> dict[str, np.ndarray]:
         raise
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> ImageData:
     """Read and validate one .npz file; keyed on (path, mtime, size) so an edited file is re-read.
 
