@@ -49,6 +49,20 @@ def flwr_version() -> str:
     return version("flwr")
 
 
+def app_requirements() -> list[str]:
+    """pyproject.toml's dependencies other than flwr, torch and torchvision (those three are pinned separately).
+
+    The image installs exactly this list (docker/app.Dockerfile reads the same file), so the wheel folder that
+    is its only package source must hold every one of them: a dependency added to pyproject.toml and missing
+    here fails the image build with "No matching distribution".
+    """
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    name = lambda d: re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].strip().lower()
+    return [d for d in deps if name(d) not in {"flwr", "torch", "torchvision"}]
+
+
 def sh(*argv: str, timeout: float = 600, check: bool = True, input: str | None = None,
        cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
@@ -225,7 +239,7 @@ def ensure_images(version: str | None = None, rebuild_app: bool = False) -> Imag
         "torch from the package index (the CUDA build on Linux x86_64)"
     torch_req = f"torch=={cpu_torch}" if cpu_torch else "torch"
     t0 = time.monotonic()
-    download_wheels(wheels, f"flwr=={version}", torch_req, "torchvision", "numpy", "pyyaml")
+    download_wheels(wheels, f"flwr=={version}", torch_req, "torchvision", *app_requirements())
     out.timings_s["pip download (host, cached after the first run)"] = time.monotonic() - t0
     with WheelServer(wheels) as server:
         pip_args = f"--no-index --find-links {server.url}"
