@@ -160,7 +160,7 @@ def publish(study_dir: Path) -> Path:
             continue
         text = src.read_text()
         text = re.sub(r"(data\.path=)\S*/([^/\s`]+)", r"\1\2", text)  # --set data.path=/x/y/cifar.npz -> cifar.npz
-        text = re.sub(r" --out \S+", "", text)
+        text = re.sub(r" --out [^\s`]+", "", text)  # the closing backtick of the command stays
         (out / item).write_text(text)
     return out
 
