@@ -52,8 +52,10 @@ def test_flesd_and_heterossfl_say_that_no_weights_go_up():
     line = flesd.traffic(2**20)
     assert "up: no weights, a 200 x 200 similarity matrix" in line and "top 0.1 of each row" in line
     hetero = get_strategy_class("heterossfl").__new__(get_strategy_class("heterossfl"))
-    hetero.rad_size, hetero.options = 100, {"kernel_encoding": "dense-fp16"}
-    assert "no weights: up, the client's 100 x 100 RAD kernel (dense-fp16)" in hetero.traffic(2**20)
+    hetero.rad_size, hetero.options = 100, {"kernel_encoding": "dense-fp16", "initial_kernels": "query"}
+    line = hetero.traffic(2**20)
+    assert "no weights: up, the client's 100 x 100 RAD kernel (dense-fp16)" in line
+    assert "before round 1 each client's kernel of its initial model (K_bar(0))" in line  # Algorithm 1's K_bar(0)
 
 
 def test_curves_png_is_drawn_with_matplotlib(tmp_path):

@@ -148,8 +148,12 @@ STUDY = {"study": "e2e", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": 
 
 def study_cli(study: Path, out: Path, *extra: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models on a shared 2-core machine
+    # Ctrl-C as from a terminal: a test process started in the background by a shell (`cmd &` in a script) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the signal this test sends would be
+    # dropped. The study itself keeps whatever disposition it is given, as any program should.
     return subprocess.Popen([sys.executable, "-m", "fedssl_study.cli", "run", str(study), "--out", str(out), *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 @pytest.mark.e2e
