@@ -99,7 +99,16 @@ class StudyRunner:
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             for index, (variant, seed) in enumerate(runs, 1):
-                outcome = self.run_one(index, len(runs), variant, seed)
+                try:
+                    outcome = self.run_one(index, len(runs), variant, seed)
+                except KeyboardInterrupt:
+                    # Ctrl-C / SIGTERM outside a run's polling loop (while a run is submitted, between runs): the
+                    # study stops as cleanly as inside it. Closing the launcher below stops the private SuperLink
+                    # and any run it had started; the run resumes from its checkpoint, or starts again.
+                    self.say(f"[{index}/{len(runs)}] {variant}, seed {seed}: interrupted before its run was under "
+                             "way (the study continues with it when started again)")
+                    outcome = RunOutcome(variant, seed, run_folder(self.dir, variant, seed), "interrupted",
+                                         reason="interrupted")
                 outcomes.append(outcome)
                 if outcome.status == "interrupted":
                     break

@@ -146,6 +146,33 @@ STUDY = {"study": "e2e", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": 
          "variants": {"FedBYOL": {}, "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}}}
 
 
+
+def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path):
+    """Ctrl-C (or SIGTERM, which the runner turns into the same) can land while `flwr run` submits a run, outside
+    the loop that polls a run: the study still ends with an "interrupted" outcome and one line, no traceback, and
+    the launcher is closed (its private SuperLink stopped)."""
+    from fedssl_study.runner import StudyRunner
+
+    study = load_study(write(tmp_path / "s.yaml", {
+        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0, 1],
+        "overrides": {"data.dataset": "synthetic"}, "variants": {"FedBYOL": {}}}))
+
+    class InterruptedLauncher:
+        closed = 0
+
+        def submit(self, run_config, num_supernodes=None):
+            raise KeyboardInterrupt
+
+        def close(self):
+            self.closed += 1
+
+    launcher, said = InterruptedLauncher(), []
+    outcomes = StudyRunner(study, tmp_path / "out", launcher, say=said.append).run()
+    assert [(o.variant, o.seed, o.status) for o in outcomes] == [("FedBYOL", 0, "interrupted")]  # seed 1 not tried
+    assert launcher.closed >= 1
+    assert any("FedBYOL, seed 0: interrupted" in line for line in said), said
+
+
 def study_cli(study: Path, out: Path, *extra: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models on a shared 2-core machine
     # Ctrl-C as from a terminal: a test process started in the background by a shell (`cmd &` in a script) inherits
