@@ -39,19 +39,16 @@ class Study:
     name: str  # the study file's `study:` name, also the published folder's name
     file: str  # the study file, relative to the repository
     title: str  # what it compares, in words
-    page: str  # the docs page that explains it (relative to docs/)
 
 
 STUDIES = (
     Study("default", "configs/studies/cpu/default.yaml", "The default experiment (FedSimCLR) and its centralized "
-          "reference", "getting-started.md"),
-    Study("fedema-family-cpu", "configs/studies/cpu/fedema-family.yaml", "FedBYOL, FedU and FedEMA",
-          "methods/fedema.md"),
-    Study("flesd-cpu", "configs/studies/cpu/flesd.yaml", "FLESD against FedAvg (SimCLR)", "methods/flesd.md"),
+          "reference"),
+    Study("fedema-family-cpu", "configs/studies/cpu/fedema-family.yaml", "FedBYOL, FedU and FedEMA"),
+    Study("flesd-cpu", "configs/studies/cpu/flesd.yaml", "FLESD against FedAvg (SimCLR)"),
     Study("lwfedssl-cpu", "configs/studies/cpu/lwfedssl.yaml", "LW-FedSSL, FedMoCo-LW, Prog-FedSSL and FLL+DD "
-          "against end-to-end FedMoCoV3", "methods/lwfedssl.md"),
-    Study("heterossfl-cpu", "configs/studies/cpu/heterossfl.yaml", "Hetero-SSFL against local SSL per architecture",
-          "methods/heterossfl.md"),
+          "against end-to-end FedMoCoV3"),
+    Study("heterossfl-cpu", "configs/studies/cpu/heterossfl.yaml", "Hetero-SSFL against local SSL per architecture"),
 )
 
 
