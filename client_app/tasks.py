@@ -41,7 +41,7 @@ from ssl_models.accounting import (analytic_training_memory, process_peak_rss_by
 from ssl_models.federated.layerwise import (RepresentationAligner, build_layerwise_model, configure_local_model,
                                             head_prefixes, resource_account, select, trained_prefixes)
 from ssl_models.data.splits import client_images, images_digest, union_images
-from ssl_models.training import TrainStats, resolve_device, train_ssl
+from ssl_models.training import TrainStats, fast_path_for, resolve_device, train_ssl
 from fedssl_wire import RunStopped
 
 ONLINE_ENCODER = ("backbone.", "projector.")
@@ -510,6 +510,17 @@ def _rad_kernel(method, rad: np.ndarray, options: Mapping[str, Any], device) -> 
     return features, client_kernel(features, str(options["kernel"]), float(options["rbf_threshold"]))
 
 
+def rad_precision(cfg: ExperimentConfig, options: Mapping[str, Any], device) -> dict[str, Any]:
+    """The aligner's ``forward_dtype`` and ``channels_last`` for ``strategy.options.rad_precision``: ``train`` the
+    local step's own (bf16 autocast and channels-last on the fast path; float32 where the step runs fp32 or fp16,
+    since the term's gradient does not pass the fp16 gradient scaler), ``fp32`` float32 always."""
+    if str(options.get("rad_precision", "train")) == "fp32":
+        return {"forward_dtype": None, "channels_last": False}
+    fp = fast_path_for(torch.device(device), cfg.train.fast_path)
+    return {"forward_dtype": torch.bfloat16 if fp.autocast_dtype == torch.bfloat16 else None,
+            "channels_last": fp.channels_last}
+
+
 def _kernel_payload(kernel: torch.Tensor, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
     """(the transport form of the normalised kernel, the raw kernel's ||H K H||_F)."""
     norm = centred_kernel_norm(kernel)
@@ -571,7 +582,7 @@ def kernel_round(
                 kernel=str(options["kernel"]), rbf_threshold=float(options["rbf_threshold"]),
                 refresh=str(options["refresh"]), refresh_steps=int(options["refresh_steps"]),
                 rad_batch_size=int(options["rad_batch_size"]), forward_batch_size=int(options["rad_forward_batch"]),
-                bn_mode=str(options["bn_mode"]), device=device, seed=seed)
+                bn_mode=str(options["bn_mode"]), **rad_precision(cfg, options, device), device=device, seed=seed)
     stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
                            loss_hook=aligner.loss if aligner else None,
                            epoch_hook=aligner.on_epoch_start if aligner else None, log=log)

@@ -1,8 +1,12 @@
 """Generate the results pages from the study reports, so that no figure is typed twice.
 
 The CPU-scale studies (``configs/studies/cpu/*.yaml``) write their reports into a study folder; a published report
-is a copy of ``report.md``, ``report.csv`` and the plots under ``benchmarks/results/studies/<study>/``. From those
-this script writes
+is a copy of ``report.md``, ``report.csv`` and the plots under ``benchmarks/results/studies/<study>/``, with the
+study's record (``study.yaml``) and every run's records (``runs/<run>/summary.json``, ``metrics.jsonl``,
+``run.json``: scores, per-round metrics, config and provenance, no weights) beside them, so that the published
+folder is itself a study folder: ``fedssl-study report`` rewrites its report from them, and a study file's missing
+runs can be added to a copy of it (``fedssl-study run STUDY.yaml --out <the copy>`` skips the runs it holds).
+From the reports this script writes
 
 - ``benchmarks/results/cpu_studies.md``: one section per study (the scale, the table, where the report is), between
   snippet markers, so the docs pages include a study's section with
@@ -139,15 +143,66 @@ def readme_with_results(readme: str) -> str:
     return head + results_block() + tail
 
 
+RUN_RECORDS = ("summary.json", "metrics.jsonl", "run.json")
+
+
+def _cut(path: str) -> str:
+    """An absolute path as a results file may show it: from ``configs/`` on for a file of a checkout (whichever
+    checkout ran it), else its last name (``/x/y/cifar.npz`` -> ``cifar.npz``)."""
+    if "/configs/" in path:
+        return "configs/" + path.split("/configs/", 1)[1]
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def local_paths_cut(value):
+    """A JSON/YAML value with every absolute path cut (``_cut``), also inside a sentence or a command, whose
+    ``--out FOLDER`` (the study folder of the machine that ran it) is dropped."""
+    if isinstance(value, dict):
+        return {k: local_paths_cut(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [local_paths_cut(v) for v in value]
+    if isinstance(value, str):
+        value = re.sub(r" --out [^\s`]+", "", value)
+        return re.sub(r"(?<![\w.])/(?:[\w.+-]+/)*[\w.+-]+", lambda m: _cut(m.group(0)), value)
+    return value
+
+
+def publish_runs(study_dir: Path, out: Path) -> int:
+    """Copy every finished run's records (RUN_RECORDS, paths cut) into ``out/runs/``; returns how many runs."""
+    import json
+
+    count = 0
+    for run in sorted((study_dir / "runs").glob("*")):
+        if not (run / "summary.json").is_file():
+            continue  # unfinished: the report names it; nothing to publish yet
+        target = out / "runs" / run.name
+        target.mkdir(parents=True, exist_ok=True)
+        for item in RUN_RECORDS:
+            src = run / item
+            if not src.is_file():
+                continue
+            if item.endswith(".jsonl"):
+                lines = [json.dumps(local_paths_cut(json.loads(line))) for line in src.read_text().splitlines()
+                         if line.strip()]
+                (target / item).write_text("".join(line + "\n" for line in lines))
+            else:
+                (target / item).write_text(json.dumps(local_paths_cut(json.loads(src.read_text())), indent=1) + "\n")
+        count += 1
+    return count
+
+
 def publish(study_dir: Path) -> Path:
-    """Copy a finished study's report into benchmarks/results/studies/<name>/ with this machine's paths cut to
-    file names (a results file names no local folder)."""
+    """Copy a finished study's report, its record and its runs' records into benchmarks/results/studies/<name>/
+    with this machine's paths cut to file names (a results file names no local folder)."""
     import yaml
 
     record = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
     name = record.get("study") or study_dir.name
     out = PUBLISHED / name
     out.mkdir(parents=True, exist_ok=True)
+    (out / "study.yaml").write_text(yaml.safe_dump(local_paths_cut(record), sort_keys=False))
+    if (study_dir / "runs").is_dir():
+        publish_runs(study_dir, out)
     for item in ("report.md", "report.csv", "curves.png", "scores.png"):
         src = study_dir / item
         if not src.is_file():

@@ -53,6 +53,9 @@ def study_main(argv: list[str] | None = None) -> int:
                           "private simulation's size comes from each run's federation.num_clients")
     run.add_argument("--run-timeout", type=float, default=None, metavar="S",
                      help="stop a run that has no result after S seconds and go on with the next")
+    run.add_argument("--reuse", action="append", default=[], metavar="STUDY_DIR",
+                     help="another study folder (repeatable): a run of the same experiment (same resolved config and "
+                          "seed) finished there is copied instead of run again")
     run.add_argument("--dry-run", action="store_true", help="check the study and list its runs; run nothing")
     rep = sub.add_parser("report", help="(re)write the report of a study folder")
     rep.add_argument("study_dir")
@@ -81,10 +84,22 @@ def study_main(argv: list[str] | None = None) -> int:
     runs = study.runs()
     say(f"study {study.name!r}: {len(study.variants)} variants x {len(study.seeds)} seeds = {len(runs)} runs, "
         f"one after another, into {study_dir}")
+    for other in args.reuse:
+        if not (Path(other) / "runs").is_dir():
+            print(f"fedssl-study: --reuse {other}: not a study folder (no runs/ inside)", file=sys.stderr)
+            return 2
     if args.dry_run:
+        from .runner import reusable_run
+        from .spec import validate_experiment
+
         for variant, seed in runs:
             folder = run_folder(study_dir, variant, seed)
             state = "finished" if (folder / "summary.json").is_file() else "to run"
+            if state == "to run" and args.reuse:
+                tree = study.variant_tree(variant, seed)
+                tree["output_dir"] = str(folder)
+                source = reusable_run(validate_experiment(tree).to_dict(), [Path(d) for d in args.reuse])
+                state = f"to copy from {source}" if source else state
             say(f"  {variant}, seed {seed}: {state} ({folder})")
         return 0
     from .launcher import Launcher
@@ -93,7 +108,7 @@ def study_main(argv: list[str] | None = None) -> int:
     launcher = Launcher(connection=args.connection, flwr_home=study_dir / ".flwr",
                         federation_config=args.federation_config)
     outcomes = StudyRunner(study, study_dir, launcher, say=say, run_timeout_s=args.run_timeout,
-                           command=command).run()
+                           command=command, reuse=[Path(d) for d in args.reuse]).run()
     report = report_study(study_dir)
     failed = [o for o in outcomes if o.status == "failed"]
     interrupted = any(o.status == "interrupted" for o in outcomes)

@@ -14,6 +14,11 @@ other). A run whose folder holds ``summary.json`` is finished and skipped; one t
 from it (``resume=<run folder>``); one that stopped before its first checkpoint starts again. Ctrl-C (or SIGTERM)
 stops the run under way for real (``flwr stop``, then the private SuperLink with its simulation), writes the report
 of what has finished, and leaves the study resumable: the same command continues it.
+
+Runs shared between studies (``reuse``: other study folders, e.g. a seed-0 sweep whose cells a 3-seed study repeats):
+a run whose experiment (its resolved config without ``name`` and ``output_dir``: same seed, same everything else)
+finished in one of them is copied instead of run again (its records, model files and plots; not its checkpoints or
+client state), and its ``run.json`` says where from (``reused_from``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,30 @@ from server_app.provenance import config_hash, git_state
 from .spec import Study, slug, validate_experiment
 
 RUNS = "runs"
+IGNORED_FOR_REUSE = ("name", "output_dir")  # what may differ between two runs of one experiment
+NOT_COPIED = ("checkpoints", "client_state", "tensorboard")  # for resuming a run, not for reading it
+
+
+def experiment_key(resolved: dict) -> str:
+    """The hash of an experiment's resolved config without what names or places the run."""
+    return config_hash({k: v for k, v in resolved.items() if k not in IGNORED_FOR_REUSE})
+
+
+def reusable_run(resolved: dict, study_dirs: list[Path]) -> Path | None:
+    """A finished run of the same experiment in one of ``study_dirs`` (read from its summary.json's config)."""
+    key = experiment_key(resolved)
+    for study_dir in study_dirs:
+        for run in sorted((Path(study_dir) / RUNS).glob("*")):
+            path = run / "summary.json"
+            if not path.is_file():
+                continue
+            try:
+                config = json.loads(path.read_text()).get("config") or {}
+            except (OSError, ValueError):
+                continue
+            if config and experiment_key(config) == key:
+                return run
+    return None
 
 
 @dataclass
@@ -79,8 +108,10 @@ class StudyRunner:
     """Runs a ``Study`` into ``study_dir`` through a ``Launcher``; ``say`` prints a progress line."""
 
     def __init__(self, study: Study, study_dir: Path, launcher: Launcher, *, say: Callable[[str], None] = print,
-                 poll_s: float = 3.0, run_timeout_s: float | None = None, command: str = "") -> None:
+                 poll_s: float = 3.0, run_timeout_s: float | None = None, command: str = "",
+                 reuse: list[Path] | None = None) -> None:
         self.study, self.dir, self.launcher, self.say = study, Path(study_dir).resolve(), launcher, say
+        self.reuse = [Path(d).resolve() for d in (reuse or [])]
         self.poll_s, self.run_timeout_s, self.command = poll_s, run_timeout_s, command
         self.durations: list[float] = []  # wall time of the runs finished by this invocation (the ETA)
 
@@ -139,6 +170,10 @@ class StudyRunner:
         tree["output_dir"] = str(folder)
         cfg = validate_experiment(tree)
         resume = has_checkpoint(folder)
+        if not resume and self.reuse:
+            source = reusable_run(cfg.to_dict(), self.reuse)
+            if source is not None:
+                return self.copy_run(source, folder, variant, seed, cfg.to_dict(), head)
         if folder.exists() and not resume:  # stopped before its first checkpoint: nothing to continue from
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -193,6 +228,27 @@ class StudyRunner:
         last = last_progress_line(folder)
         reason = f"flwr status {status}, no summary.json" + (f"; the run's last line: {last}" if last else "")
         return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", seconds, reason), head)
+
+    def copy_run(self, source: Path, folder: Path, variant: str, seed: int, resolved: dict, head: str) -> RunOutcome:
+        """A finished run of the same experiment in another study folder, copied in as this (variant, seed)."""
+        if folder.exists():
+            shutil.rmtree(folder)
+        shutil.copytree(source, folder, ignore=shutil.ignore_patterns(*NOT_COPIED))
+        origin = f"{source.parent.parent.name}/{RUNS}/{source.name}"  # <study folder>/runs/<run>
+        info = {"variant": variant, "seed": seed, "study": self.study.name, "config_hash": config_hash(resolved),
+                "reused_from": origin, "attempts": []}
+        old = folder / "run.json"
+        if old.is_file():  # the source's own record: its commit and attempts (where and when it really ran)
+            try:
+                earlier = json.loads(old.read_text())
+            except ValueError:
+                earlier = {}
+            for key in ("study_git_commit", "study_git_dirty", "attempts"):
+                if key in earlier:
+                    info[key] = earlier[key]
+        old.write_text(json.dumps(info, indent=2))
+        self.say(f"{head}: the same experiment finished in {origin}: copied, not run again")
+        return RunOutcome(variant, seed, folder, "skipped", reason=f"reused from {origin}")
 
     def _finish(self, info: dict, info_path: Path, outcome: RunOutcome, head: str) -> RunOutcome:
         if info.get("attempts"):

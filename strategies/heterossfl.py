@@ -41,7 +41,7 @@ from flwr.serverapp import Grid
 
 from ssl_models.data.splits import images_digest, public_images
 from ssl_models.federated.kernel_alignment import (BN_MODES, KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
-                                                   REFRESH_MODES, REPRESENTATIONS, average_kernels,
+                                                   RAD_PRECISIONS, REFRESH_MODES, REPRESENTATIONS, average_kernels,
                                                    check_kernel_payload, encode_kernel)
 from ssl_models.federated.similarity import ENCODING_MODES, TOPK
 
@@ -107,6 +107,9 @@ class HeteroSSFL(FedSSL):
             # in-loop representations use; the running ones untouched) | eval (the running statistics, which the
             # SSL steps move and the alignment gradient cannot reach)
             "bn_mode": "train",
+            # the network part of the term's RAD forwards: train (the local step's precision: bf16 autocast and
+            # channels-last on the fast path) | fp32; the kernel, CKA and uploaded kernels are float32 either way
+            "rad_precision": "train",
             "initial_kernels": "query",  # query: K_bar(0) from the initial models (Algorithm 1) | none
             "rad_forward_batch": 256,  # RAD images per forward chunk (memory, not maths)
             "eval_query_batch": 10,  # clients asked for their encoder per message batch at evaluation rounds
@@ -122,6 +125,7 @@ class HeteroSSFL(FedSSL):
         check_choice(options, "kernel_normalization", KERNEL_NORMALIZATIONS)
         check_choice(options, "refresh", REFRESH_MODES)
         check_choice(options, "bn_mode", BN_MODES)
+        check_choice(options, "rad_precision", RAD_PRECISIONS)
         check_choice(options, "initial_kernels", INITIAL_KERNELS)
         if not options["mu"] >= 0:
             raise ValueError(f"strategy.options.mu: must be >= 0 (got {options['mu']!r})")
@@ -413,7 +417,7 @@ class HeteroSSFL(FedSSL):
             "heterossfl": {**{key: self.options[key] for key in (
                                "mu", "representation", "kernel", "kernel_encoding", "kernel_weights", "refresh",
                                "refresh_steps", "rad_batch_size", "kernel_normalization", "bn_mode",
-                               "initial_kernels")},
+                               "rad_precision", "initial_kernels")},
                            "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see the method's page)",
                            "round_1": ("aligned to K_bar(0) of the initial models"
                                        if self.options["initial_kernels"] == "query"

@@ -93,6 +93,47 @@ def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, mo
     assert "against end-to-end FedMoCoV3**: not measured at the current version" in page
 
 
+def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(tmp_path, monkeypatch):
+    """--publish copies study.yaml and every finished run's summary.json, metrics.jsonl and run.json with no local
+    path left in them; the published folder is a study folder whose report is the original one."""
+    import json
+
+    import yaml
+
+    from fedssl_study.report import report_study
+    from test_study import fake_run
+
+    gen = load_script(REPO / "docs" / "gen_results.py")
+    study = tmp_path / "study"
+    for seed, lp in enumerate((0.41, 0.43)):
+        fake_run(study / "runs" / f"a-seed{seed}", "A", seed, lp, 0.3, 0.33)
+        summary = json.loads((study / "runs" / f"a-seed{seed}" / "summary.json").read_text())
+        summary["config"]["data"]["path"] = "/some/where/cifar10.npz"
+        summary["config"]["output_dir"] = str(study / "runs" / f"a-seed{seed}")
+        summary["provenance"] = {"note": "code loaded from /some/where/checkout/client_app"}
+        (study / "runs" / f"a-seed{seed}" / "summary.json").write_text(json.dumps(summary))
+    (study / "runs" / "b-seed0").mkdir(parents=True)  # unfinished: not published
+    (study / "study.yaml").write_text(yaml.safe_dump({
+        "study": "flesd-cpu", "file": "/some/where/checkout/configs/studies/cpu/flesd.yaml",
+        "command": "fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /some/where/o",
+        "variants": {"A": {}, "B": {}}}))
+    report_study(study)
+    monkeypatch.setattr(gen, "PUBLISHED", tmp_path / "published")
+    out = gen.publish(study)
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["a-seed0", "a-seed1"]
+    for path in [out / "study.yaml", *(out / "runs").rglob("*")]:
+        if path.is_file():
+            assert "/some/where" not in path.read_text(), path
+    record = yaml.safe_load((out / "study.yaml").read_text())
+    assert record["file"] == "configs/studies/cpu/flesd.yaml"
+    assert record["command"] == "fedssl-study run x.yaml --set data.path=c.npz"
+    published = json.loads((out / "runs" / "a-seed1" / "summary.json").read_text())
+    assert published["config"]["data"]["path"] == "cifar10.npz" and published["linear_probe_acc"] == 0.43
+    original = (out / "report.csv").read_text()
+    report_study(out)  # the published folder is a study folder: the same table from its records
+    assert (out / "report.csv").read_text() == original
+
+
 def test_nothing_cites_the_developers_paper_digest():
     digest = "papers" + ".md"  # spelled apart, so this file does not cite it either
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()

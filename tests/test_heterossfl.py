@@ -252,6 +252,55 @@ def test_per_step_term_is_eq2_at_the_current_weights(small, bn_mode):
     assert values[-1] < values[0]  # descending the exact term lowers it
 
 
+@pytest.mark.parametrize("refresh", ["step", "minibatch"])
+def test_train_precision_term_is_eq2_in_bf16_close_to_the_fp32_one(small, refresh):
+    """rad_precision train on a bf16 fast path: the network part of the RAD forward runs under bf16 autocast in
+    channels-last layout (so the value differs from fp32's by rounding only) while the CKA is taken in float32;
+    the value and the gradient agree with Eq. 2 computed in float32 up to bf16 rounding."""
+    cfg, rad, _, target = small
+    model = build_ssl_model(cfg, seed=4).to(memory_format=torch.channels_last)
+    params = [p for p in model.trainable_parameters() if p.requires_grad]
+    extra = {"rad_batch_size": 40} if refresh == "minibatch" else {}  # the whole RAD: comparable with eq2_at
+    terms = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        aligner = KernelAligner(rad, target, mu=0.8, refresh=refresh, forward_batch_size=64, bn_mode="train",
+                                forward_dtype=dtype, channels_last=dtype is not None, **extra)
+        model.zero_grad(set_to_none=True)
+        term = aligner.loss(model)
+        term.backward()
+        assert term.dtype == torch.float32
+        terms[name] = (float(term.detach()), torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
+    value, grads = eq2_at(model, rad, target, 0.8, "train")
+    exact = torch.cat([grads[id(p)].flatten() for p in params if id(p) in grads])
+    assert terms["fp32"][0] == pytest.approx(value, rel=1e-4)
+    assert terms["bf16"][0] != terms["fp32"][0]  # the forward did run in bf16
+    assert terms["bf16"][0] == pytest.approx(value, rel=2e-2)
+    # bf16 rounding through batch-statistics BatchNorm: on this tiny model the term's gradient keeps a cosine of
+    # 0.85-0.94 to the fp32 one over init seeds 0-3, the SSL loss's own bf16 gradient 0.88-0.91 to its fp32 one
+    # (benchmarks/results/heterossfl_rad_precision.md has the CPU-scale figures)
+    cosine = torch.nn.functional.cosine_similarity(terms["bf16"][1], exact, dim=0)
+    assert cosine > 0.8, float(cosine)
+    with pytest.raises(ValueError, match="forward_dtype must be"):
+        KernelAligner(rad, target, mu=0.5, forward_dtype=torch.float16)
+
+
+def test_rad_precision_option_follows_the_local_steps_fast_path():
+    from client_app.tasks import rad_precision
+    from ssl_models.training import fast_path_for
+
+    fast = fast_path_for(torch.device("cpu"), True)
+    chosen = rad_precision(tiny(**{"train.fast_path": True}), {"rad_precision": "train"}, "cpu")
+    assert chosen == {"forward_dtype": torch.bfloat16 if fast.autocast_dtype == torch.bfloat16 else None,
+                      "channels_last": fast.channels_last}
+    assert rad_precision(tiny(**{"train.fast_path": False}), {"rad_precision": "train"}, "cpu") == {
+        "forward_dtype": None, "channels_last": False}
+    assert rad_precision(tiny(**{"train.fast_path": True}), {"rad_precision": "fp32"}, "cpu") == {
+        "forward_dtype": None, "channels_last": False}
+    assert HeteroSSFL.default_options()["rad_precision"] == "train"
+    with pytest.raises(ValueError, match="rad_precision"):
+        HeteroSSFL.check_options({**HeteroSSFL.default_options(), "rad_precision": "fp16"})
+
+
 def test_rad_forward_in_train_mode_uses_batch_statistics_and_leaves_the_running_ones(small):
     cfg, rad, images, _ = small
     model = build_ssl_model(cfg, seed=6)

@@ -173,6 +173,65 @@ def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path)
     assert any("FedBYOL, seed 0: interrupted" in line for line in said), said
 
 
+def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(tmp_path):
+    """--reuse: a (variant, seed) whose resolved config, seed included and name and output folder left out, equals
+    a finished run's of another study folder is copied from there (records, not checkpoints) with run.json naming
+    the source; a run of another seed or another setting is run."""
+    from fedssl_study.cli import study_main
+    from fedssl_study.runner import StudyRunner
+    from fedssl_study.spec import validate_experiment
+
+    base = {"base": str(REPO / "configs" / "smoke.yaml"), "overrides": {"data.dataset": "synthetic"}}
+    sweep = load_study(write(tmp_path / "sweep.yaml", {**base, "study": "sweep", "seeds": [0], "variants": {
+        "tau 0.7": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}}}))
+    three = write(tmp_path / "three.yaml", {**base, "study": "three", "seeds": [0, 1], "variants": {
+        "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}},
+        "FedEMA (tau 0.5)": {"strategy": {"name": "fedema", "options": {"tau": 0.5}}}}})
+    # the sweep's finished run, as the ServerApp leaves it (its config as summary.json records it)
+    tree = sweep.variant_tree("tau 0.7", 0)
+    tree["output_dir"] = str(tmp_path / "sweep-out" / "runs" / "tau-0.7-seed0")
+    done = Path(tree["output_dir"])
+    fake_run(done, "tau 0.7", 0, 0.41, 0.3, 0.33)
+    summary = json.loads((done / "summary.json").read_text())
+    summary["config"] = validate_experiment(tree).to_dict()
+    (done / "summary.json").write_text(json.dumps(summary))
+    (done / "run.json").write_text(json.dumps({"variant": "tau 0.7", "seed": 0, "study_git_commit": "abc123",
+                                               "attempts": [{"run_id": 7, "outcome": "finished"}]}))
+    (done / "checkpoints").mkdir()
+    (done / "checkpoints" / "round-1.pt").write_bytes(b"state")
+
+    class Launcher:
+        def __init__(self):
+            self.submitted = []
+
+        def submit(self, run_config, num_supernodes=None):
+            self.submitted.append(run_config)
+            from fedssl_study.launcher import LaunchError
+            raise LaunchError("not in this test")
+
+        def close(self):
+            pass
+
+    launcher, said = Launcher(), []
+    outcomes = StudyRunner(load_study(three), tmp_path / "out", launcher, say=said.append,
+                           reuse=[tmp_path / "sweep-out"]).run()
+    status = {(o.variant, o.seed): o.status for o in outcomes}
+    assert status == {("FedEMA", 0): "skipped", ("FedEMA (tau 0.5)", 0): "failed", ("FedEMA", 1): "failed",
+                      ("FedEMA (tau 0.5)", 1): "failed"}
+    assert len(launcher.submitted) == 3
+    copied = tmp_path / "out" / "runs" / "fedema-seed0"
+    assert json.loads((copied / "summary.json").read_text())["linear_probe_acc"] == 0.41
+    assert not (copied / "checkpoints").exists()
+    info = json.loads((copied / "run.json").read_text())
+    assert info["variant"] == "FedEMA" and info["reused_from"] == "sweep-out/runs/tau-0.7-seed0"
+    assert info["study_git_commit"] == "abc123" and info["attempts"] == [{"run_id": 7, "outcome": "finished"}]
+    assert any("copied, not run again" in line for line in said), said
+    runs, _ = study_runs(tmp_path / "out")
+    assert [(r.variant, r.seed) for r in runs] == [("FedEMA", 0)]
+    # --reuse names a folder that is not a study's: refused before anything runs
+    assert study_main(["run", str(three), "--out", str(tmp_path / "o2"), "--reuse", str(tmp_path)]) == 2
+
+
 def study_cli(study: Path, out: Path, *extra: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models on a shared 2-core machine
     # Ctrl-C as from a terminal: a test process started in the background by a shell (`cmd &` in a script) inherits

@@ -32,6 +32,16 @@ When ``A_k`` is recomputed (``refresh``):
 
 A detached ``K_k`` would give the alignment term no gradient at all (the bug of a public re-implementation).
 
+**Precision of the alignment term's RAD forward** (``rad_precision``, the aligner's ``forward_dtype``): ``train``
+(the default) runs the network part of that forward and its backward as the local SSL step runs its own: bfloat16
+autocast and channels-last memory on the fast path (CPUs with native bf16 matrix units, bf16-capable GPUs), float32
+elsewhere; ``fp32`` runs it in float32 always. Either way the representations are cast to float32 before the
+kernel, and the CKA and its gradient in feature space are float32 (``cka``'s functions switch autocast off). The
+kernels a client uploads and the CKA it reports (``rad_representations``) are always float32: they are what the
+server averages and what the logs compare. The RAD forward and backward are most of an aligned step's work, so
+``train`` speeds up every aligned step where bf16 is native; its error on the term's gradient is smaller than the
+SSL loss's own bf16 error (both measured in ``benchmarks/results/heterossfl_rad_precision.md``).
+
 **BatchNorm during the RAD forward** (``bn_mode``): ``eval`` (default) uses the running statistics, so chunks are
 independent and the RAD never updates them; ``train`` uses each forward chunk's batch statistics (as the SSL steps
 do) without reading or updating the running statistics, so the RAD never changes them either.
@@ -67,6 +77,7 @@ from ssl_models.federated.similarity import DENSE_FP32, ENCODING_MODES, TOPK, de
 REPRESENTATIONS = ("predictor", "projector", "backbone")
 KERNEL_FUNCTIONS = ("linear", "rbf")
 REFRESH_MODES = ("step", "minibatch", "epoch")
+RAD_PRECISIONS = ("train", "fp32")
 BN_MODES = ("eval", "train")
 KERNEL_WEIGHTS = ("uniform", "data_size")
 KERNEL_NORMALIZATIONS = ("frobenius", "none")
@@ -136,11 +147,19 @@ def _as_uint8_tensor(images: np.ndarray | torch.Tensor, device: torch.device) ->
     return x.to(device)
 
 
-def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch_size: int):
+def _float_input(images: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """uint8 NHWC -> float NCHW in the memory layout the model trains in (channels-last on the fast path, where a
+    contiguous NCHW batch would make every convolution convert its input)."""
+    x = to_float_nchw(images)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
+
+
+def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch_size: int,
+                    channels_last: bool = False):
     """(start, stop, float32 representations) of ``images`` (uint8 NHWC on the model's device), chunk by chunk."""
     for start in range(0, images.shape[0], batch_size):
         stop = min(images.shape[0], start + batch_size)
-        yield start, stop, fn(to_float_nchw(images[start:stop]).contiguous()).float()
+        yield start, stop, fn(_float_input(images[start:stop], channels_last)).float()
 
 
 def rad_representations(method: nn.Module, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
@@ -295,13 +314,16 @@ class KernelAligner:
 
     ``on_epoch_start`` (``epoch_hook``) and ``loss`` (``loss_hook``) implement the refresh modes of the module
     docstring (``step``, ``minibatch``, ``epoch``). ``target_kernel`` is the server's K_bar (N, N); ``rad_images``
-    the RAD (N, H, W, 3) uint8; ``bn_mode`` the BatchNorm mode of every RAD forward (``rad_forward_mode``).
+    the RAD (N, H, W, 3) uint8; ``bn_mode`` the BatchNorm mode of every RAD forward (``rad_forward_mode``);
+    ``forward_dtype`` the autocast dtype of the network part of those forwards (None: float32; ``torch.bfloat16``:
+    the fast path's), ``channels_last`` their input layout (the model's, on the fast path).
     """
 
     def __init__(self, rad_images: np.ndarray | torch.Tensor, target_kernel: torch.Tensor, *, mu: float,
                  representation: str = "predictor", kernel: str = "linear", rbf_threshold: float = 0.5,
                  refresh: str = "step", refresh_steps: int = 1, rad_batch_size: int = 256,
                  forward_batch_size: int = DEFAULT_FORWARD_BATCH, bn_mode: str = "eval",
+                 forward_dtype: torch.dtype | None = None, channels_last: bool = False,
                  device: torch.device | str = "cpu", seed: int = 0) -> None:
         if refresh not in REFRESH_MODES:
             raise ValueError(f"refresh must be one of {REFRESH_MODES}, got {refresh!r}")
@@ -332,6 +354,11 @@ class KernelAligner:
         self.mu = float(mu)
         self.representation, self.kernel, self.rbf_threshold = representation, kernel, float(rbf_threshold)
         self.refresh, self.refresh_steps, self.bn_mode = refresh, refresh_steps, bn_mode
+        if forward_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"forward_dtype must be None (float32) or torch.bfloat16, got {forward_dtype!r}")
+        # The network part of every RAD forward of the term (the kernel and CKA stay float32 in any case).
+        self.forward_dtype = None if forward_dtype == torch.float32 else forward_dtype
+        self.channels_last = bool(channels_last)
         self.rad_batch_size, self.forward_batch_size = min(rad_batch_size, n), forward_batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = AlignmentStats()
@@ -360,6 +387,12 @@ class KernelAligner:
         return surrogate - surrogate.detach() + self._value
 
     # ---------------------------------------------------------------- computations
+    def _network_precision(self):
+        """Autocast for the network part of a RAD forward, set explicitly (the hooks run both inside the training
+        step's autocast and outside it, at an epoch's start)."""
+        return torch.autocast(self.device.type, dtype=self.forward_dtype or torch.float32,
+                              enabled=self.forward_dtype is not None)
+
     def _kernel_loss(self, features: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.centered_target is not None and target is self.target:
             loss = feature_alignment_loss(features, self.centered_target)
@@ -376,19 +409,20 @@ class KernelAligner:
         params = [p for p in method.trainable_parameters() if p.requires_grad]
         fn = representation_fn(method, self.representation)
         n = self.rad.shape[0]
-        with rad_forward_mode(method, self.bn_mode), torch.autocast(self.device.type, enabled=False):
+        with rad_forward_mode(method, self.bn_mode), self._network_precision():
             if n <= self.forward_batch_size:  # one pass with the graph
-                features = fn(to_float_nchw(self.rad).contiguous()).float()
+                features = fn(_float_input(self.rad, self.channels_last)).float()
                 loss, similarity = self._kernel_loss(features, self.target)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
             else:  # no-grad pass, dL/dA in feature space, then chunk-wise backward through the network
                 with torch.no_grad():
-                    features = torch.cat([a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size)])
+                    features = torch.cat([a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size,
+                                                                           self.channels_last)])
                 features.requires_grad_(True)
                 loss, similarity = self._kernel_loss(features, self.target)
                 (grad_features,) = torch.autograd.grad(loss, features)
                 grads = [None] * len(params)
-                for start, stop, a in _forward_chunks(fn, self.rad, self.forward_batch_size):
+                for start, stop, a in _forward_chunks(fn, self.rad, self.forward_batch_size, self.channels_last):
                     part = torch.autograd.grad((a * grad_features[start:stop]).sum(), params, allow_unused=True)
                     grads = [g if d is None else (d if g is None else g + d) for g, d in zip(grads, part)]
         self._grads = [(p, g.detach()) for p, g in zip(params, grads) if g is not None]
@@ -401,8 +435,8 @@ class KernelAligner:
         n = self.rad.shape[0]
         idx = torch.randperm(n, generator=self.generator)[:self.rad_batch_size].sort().values.to(self.device)
         fn = representation_fn(method, self.representation)
-        with rad_forward_mode(method, self.bn_mode), torch.autocast(self.device.type, enabled=False):
-            features = fn(to_float_nchw(self.rad[idx]).contiguous()).float()
+        with rad_forward_mode(method, self.bn_mode), self._network_precision():
+            features = fn(_float_input(self.rad[idx], self.channels_last)).float()
             loss, similarity = self._kernel_loss(features, self.target[idx][:, idx])
         self.stats.refreshes += 1
         self._record(float(loss.detach()), similarity)
