@@ -43,6 +43,7 @@ class Study:
     name: str  # the study file's `study:` name, also the published folder's name
     file: str  # the study file, relative to the repository
     title: str  # what it compares, in words
+    in_readme: bool = True  # its rows in the README's table (a one-seed sweep's cells stay on its method page)
 
 
 STUDIES = (
@@ -53,6 +54,8 @@ STUDIES = (
     Study("lwfedssl-cpu", "configs/studies/cpu/lwfedssl.yaml", "LW-FedSSL, FedMoCo-LW, Prog-FedSSL and FLL+DD "
           "against end-to-end FedMoCoV3"),
     Study("heterossfl-cpu", "configs/studies/cpu/heterossfl.yaml", "Hetero-SSFL against local SSL per architecture"),
+    Study("heterossfl-sweep", "configs/studies/cpu/heterossfl-sweep.yaml", "Hetero-SSFL's alignment settings "
+          "(mu x refresh x kernel normalisation, one seed) against local SSL", in_readme=False),
 )
 
 
@@ -90,8 +93,10 @@ def study_section(study: Study) -> str:
     report = PUBLISHED / study.name / "report.md"
     if report.is_file():
         text = report.read_text()
-        lines += [f"**{study.title}.** {snippet(text, 'scale')}", "", snippet(text, "table"), "",
-                  f"Full report with curves and provenance: `benchmarks/results/studies/{study.name}/report.md`. "
+        lines += [f"**{study.title}.** {snippet(text, 'scale')}", "", snippet(text, "table"), ""]
+        if "[start:alignment]" in text:
+            lines += [snippet(text, "alignment"), ""]
+        lines += [f"Full report with curves and provenance: `benchmarks/results/studies/{study.name}/report.md`. "
                   f"Reproduce: `{command(study)}`."]
     else:
         lines += [f"**{study.title}**: not measured at the current version. Measure it with "
@@ -114,7 +119,7 @@ def results_block() -> str:
     """The README's table: every published study's rows (per-architecture rows left to the report)."""
     lines = [START, "", "| study | row | seeds | linear probe % | gain over random init (points) |", "|---|---|---|---|---|"]
     missing = []
-    for study in STUDIES:
+    for study in (s for s in STUDIES if s.in_readme):
         rows = report_rows(study)
         if rows is None:
             missing.append(study)

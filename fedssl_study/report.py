@@ -10,6 +10,11 @@ wall time. A random-init row (each seed's initial encoder, scored with the same 
 Min-Local) add a row per architecture (mean over that architecture's clients). Two rows whose means differ by less
 than their seed spread (the sum of their standard deviations) are listed as not ranked.
 
+Runs whose clients log their CKA to the server's average kernel before and after local training (Hetero-SSFL's
+``cka_start`` / ``cka_end``, local SSL with ``mu: 0`` included) add an alignment table per variant: the clients'
+mean CKA per round before -> after training (mean over seeds), the mean within-round change, in how many rounds
+it fell, and the clients' raw centred-kernel norm per architecture in the first and last round.
+
 Plots (matplotlib): the kNN accuracy per round of every row on one axis (mean over seeds, with the range of the
 seeds as a band) and the final linear probe of every row (mean, with the standard deviation as an error bar).
 """
@@ -183,6 +188,65 @@ def build_rows(runs: list[RunData], order: list[str]) -> list[Row]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- alignment
+def _round_means(run: RunData, key: str) -> dict[int, float]:
+    """Per round, the mean of the clients' ``key`` (those that report it)."""
+    out = {}
+    for record in run.rounds:
+        values = [float(c[key]) for c in record.get("clients") or [] if c.get(key) is not None]
+        if values:
+            out[int(record["round"])] = statistics.mean(values)
+    return out
+
+
+def _arch_norms(run: RunData, round_index: int) -> dict[str, float]:
+    """The round's mean ``kernel_norm`` per client architecture."""
+    records = [r for r in run.rounds if r.get("clients")]
+    if not records:
+        return {}
+    by_arch: dict[str, list[float]] = {}
+    for c in records[round_index]["clients"]:
+        if c.get("kernel_norm") is not None:
+            by_arch.setdefault(str(c.get("arch", "?")), []).append(float(c["kernel_norm"]))
+    return {a: statistics.mean(v) for a, v in by_arch.items()}
+
+
+def alignment_lines(runs: list[RunData], order: list[str]) -> list[str]:
+    """The alignment table of the runs that log ``cka_start`` / ``cka_end`` (none otherwise)."""
+    lines = []
+    for variant in order:
+        vr = [r for r in runs if r.variant == variant]
+        starts = [_round_means(r, "cka_start") for r in vr]
+        ends = [_round_means(r, "cka_end") for r in vr]
+        rounds = sorted(set().union(*starts) & set().union(*ends)) if starts else []
+        if not rounds:
+            continue
+        pairs = []
+        for rnd in rounds:
+            a = [s[rnd] for s in starts if rnd in s]
+            b = [e[rnd] for e in ends if rnd in e]
+            pairs.append((rnd, statistics.mean(a), statistics.mean(b)))
+        changes = [b - a for _, a, b in pairs]
+        first, last = [_arch_norms(r, 0) for r in vr], [_arch_norms(r, -1) for r in vr]
+        archs = sorted(set().union(*first, *last))
+        norms = "; ".join(
+            f"{a} {statistics.mean([f[a] for f in first if a in f]):.3g} -> "
+            f"{statistics.mean([x[a] for x in last if a in x]):.3g}"
+            for a in archs if any(a in f for f in first) and any(a in x for x in last))
+        lines.append(f"| {variant} | {' '.join(f'r{r} {a:.3f}->{b:.3f}' for r, a, b in pairs)} | "
+                     f"{statistics.mean(changes):+.3f} | {sum(c < 0 for c in changes)} of {len(changes)} | "
+                     f"{norms or '-'} |")
+    if not lines:
+        return []
+    return ["<!-- --8<-- [start:alignment] -->", "",
+            "Alignment: the clients' mean CKA(K_k, K_bar) on the whole RAD per round, before -> after local training "
+            "(mean over the row's seeds); the mean within-round change; the rounds in which it fell; the clients' "
+            "raw ||H K H||_F per architecture, first -> last round.", "",
+            "| row | CKA to K_bar per round, before -> after training | mean change | rounds it fell "
+            "| kernel norm (first -> last round) |", "|---|---|---|---|---|", *lines, "",
+            "<!-- --8<-- [end:alignment] -->"]
+
+
 # ---------------------------------------------------------------------------------------------- tables
 CSV_COLUMNS = ("row", "kind", "arch", "seeds", "linear_probe_mean", "linear_probe_std", "knn_mean", "knn_std",
                "linear_probe_gain_mean", "linear_probe_gain_std", "linear_probe_per_seed", "gain_per_seed",
@@ -309,6 +373,9 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
     if missing:
         lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
     lines += ["", "<!-- --8<-- [end:table] -->"]
+    aligned = alignment_lines(runs, order)
+    if aligned:
+        lines += ["", *aligned]
     plots = draw_plots(out_dir, rows)
     if plots:
         lines += ["", *[f"![{p.stem}]({p.name})" for p in plots]]

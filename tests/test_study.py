@@ -138,6 +138,29 @@ def test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked(tmp
     assert list(table_rows(named)) == ["random init", "s-b"]
 
 
+def test_the_alignment_table_is_the_clients_mean_cka_per_round_over_seeds(tmp_path):
+    """Runs whose clients log cka_start / cka_end (Hetero-SSFL, mu 0 included) get the alignment table: per round
+    the clients' mean before -> after, averaged over seeds, the mean change, the rounds it fell and the kernel norm
+    per architecture in the first and last round; runs without them get none."""
+    ckas = {0: [[(0.8, 0.6), (0.6, 0.6)], [(0.7, 0.9), (0.9, 0.9)]],  # seed: round: client: (start, end)
+            1: [[(0.6, 0.4), (0.4, 0.4)], [(0.5, 0.7), (0.7, 0.7)]]}
+    for seed, per_round in ckas.items():
+        folder = tmp_path / "runs" / f"h-seed{seed}"
+        fake_run(folder, "H", seed, 0.4, 0.3, 0.33, rounds=2)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": r + 1, "knn_acc": 0.3, "clients": [
+            {"id": i, "arch": ("resnet18", "resnet34")[i], "cka_start": a, "cka_end": b, "kernel_norm": 10.0 * (i + 1)
+             * (r + 1) + seed} for i, (a, b) in enumerate(clients)]}) + "\n" for r, clients in enumerate(per_round)))
+    fake_run(tmp_path / "runs" / "plain-seed0", "plain", 0, 0.4, 0.3, 0.33)
+    runs, order = study_runs(tmp_path)
+    text = write_report(tmp_path, runs, order, title="t").read_text()
+    alignment = text.split("<!-- --8<-- [start:alignment] -->")[1].split("<!-- --8<-- [end:alignment] -->")[0]
+    (line,) = [l for l in alignment.splitlines() if l.startswith("| H |")]
+    # round 1: before (0.7 + 0.5) / 2 = 0.6, after (0.6 + 0.4) / 2 = 0.5; round 2: 0.7 -> 0.8
+    assert line == ("| H | r1 0.600->0.500 r2 0.700->0.800 | +0.000 | 1 of 2 | resnet18 10.5 -> 20.5; "
+                    "resnet34 20.5 -> 40.5 |"), line
+    assert "| plain |" not in alignment
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 STUDY = {"study": "e2e", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0, 1],
          "overrides": {"data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
