@@ -16,8 +16,8 @@ stops the run under way for real (``flwr stop``, then the private SuperLink with
 of what has finished, and leaves the study resumable: the same command continues it.
 
 Runs shared between studies (``reuse``: other study folders, e.g. a seed-0 sweep whose cells a 3-seed study repeats):
-a run whose experiment (its resolved config without ``name`` and ``output_dir``: same seed, same everything else)
-finished in one of them is copied instead of run again (its records, model files and plots; not its checkpoints or
+a run whose experiment (its resolved config without ``name`` and ``output_dir``, the data file by its name: same
+seed, same everything else) finished in one of them is copied instead of run again (its records, model files and plots; not its checkpoints or
 client state), and its ``run.json`` says where from (``reused_from``).
 """
 
@@ -45,8 +45,13 @@ NOT_COPIED = ("checkpoints", "client_state", "tensorboard")  # for resuming a ru
 
 
 def experiment_key(resolved: dict) -> str:
-    """The hash of an experiment's resolved config without what names or places the run."""
-    return config_hash({k: v for k, v in resolved.items() if k not in IGNORED_FOR_REUSE})
+    """The hash of an experiment's resolved config without what names or places the run; the data file counts by
+    its file name (a published run's records keep only that, and another machine holds the copy elsewhere)."""
+    config = {k: v for k, v in resolved.items() if k not in IGNORED_FOR_REUSE}
+    data = dict(config.get("data") or {})
+    if data.get("path"):
+        data["path"] = str(data["path"]).rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    return config_hash({**config, "data": data})
 
 
 def reusable_run(resolved: dict, study_dirs: list[Path]) -> Path | None:

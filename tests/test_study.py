@@ -251,6 +251,13 @@ def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(t
     assert any("copied, not run again" in line for line in said), said
     runs, _ = study_runs(tmp_path / "out")
     assert [(r.variant, r.seed) for r in runs] == [("FedEMA", 0)]
+    # the data file counts by its name (a published run keeps only that): the same experiment on another machine
+    from fedssl_study.runner import experiment_key
+    resolved = validate_experiment(tree).to_dict()
+    here, published, other = (json.loads(json.dumps(resolved)) for _ in range(3))
+    here["data"]["path"], published["data"]["path"], other["data"]["path"] = "/a/b/cifar.npz", "cifar.npz", "/a/c.npz"
+    published["name"] = "another-name"
+    assert experiment_key(here) == experiment_key(published) != experiment_key(other)
     # --reuse names a folder that is not a study's: refused before anything runs
     assert study_main(["run", str(three), "--out", str(tmp_path / "o2"), "--reuse", str(tmp_path)]) == 2
 
