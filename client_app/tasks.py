@@ -34,7 +34,8 @@ from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
 from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
 from ssl_models.federated.kernel_alignment import (KernelAligner, centred_kernel_norm, client_kernel, decode_kernel,
-                                                   encode_kernel, kernel_cka, normalize_kernel, rad_representations)
+                                                   encode_kernel, kernel_cka, normalize_kernel, rad_representations,
+                                                   rad_term_flops)
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.accounting import (analytic_training_memory, process_peak_rss_bytes, reset_peak_rss,
                                   training_step_flops)
@@ -529,6 +530,18 @@ def _kernel_payload(kernel: torch.Tensor, options: Mapping[str, Any]) -> tuple[d
     return encode_kernel(k, encoding, float(options["topk_fraction"]) if encoding == "topk" else None), norm
 
 
+_RAD_PASS_FLOPS: dict[tuple, dict[str, float]] = {}
+
+
+def _rad_pass_flops(method, representation: str, image_shape: tuple[int, ...]) -> dict[str, float]:
+    """``rad_term_flops`` of this model, kept per process (keyed by its parameter shapes)."""
+    key = (type(method).__name__, tuple((name, tuple(p.shape), p.requires_grad) for name, p in method.named_parameters()),
+           representation, tuple(image_shape))
+    if key not in _RAD_PASS_FLOPS:
+        _RAD_PASS_FLOPS[key] = rad_term_flops(method, representation, image_shape)
+    return _RAD_PASS_FLOPS[key]
+
+
 def initial_kernel(cfg: ExperimentConfig, rad: np.ndarray, client_state: Mapping[str, np.ndarray] | None, *,
                    partition_id: int, rad_digest: str, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
     """Hetero-SSFL's K_k(0) (Algorithm 1 forms K_bar(0) from the initial models before round 1): the kernel of the
@@ -591,6 +604,12 @@ def kernel_round(
         info["cka_end"] = kernel_cka(k, target)
     if aligner is not None:
         info.update(aligned=True, align_loss=aligner.stats.mean_value, refreshes=aligner.stats.refreshes)
+    if stats.resources:
+        # What the round cost besides the SSL steps: the term's RAD passes and the forward of the kernel sent up
+        # (the cka_start forward is a measurement, like the server's kNN monitor, and is left out).
+        per_image = _rad_pass_flops(method, str(options["representation"]), (3, *np.shape(rad)[1:3]))
+        extra = n * per_image["forward"] + (aligner.stats.flops(per_image) if aligner is not None else 0.0)
+        stats.resources["flops_extra"] = float(extra)
     payload, info["kernel_norm"] = _kernel_payload(k, options)
     kept = state_to_numpy(method.cpu().state_dict())
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)

@@ -519,7 +519,8 @@ class FedSSL(Strategy):
 
     def account_resources(self, clients: list[dict[str, Any]]) -> None:
         """Add one round's client records to the run's resource figures: per client the rounds, bytes up, FLOPs of
-        the round (per-sample FLOPs of a step x images trained, summed) and the maxima of the per-step figures."""
+        the round (per-sample FLOPs of a step x images trained, plus the round's ``flops_extra``, summed) and the
+        maxima of the per-step figures."""
         run = self.client_resources["run"]
         for c in clients:
             mine = self.client_resources["per_client"].setdefault(
@@ -530,8 +531,14 @@ class FedSSL(Strategy):
                 continue
             images = float(c.get("images_trained", 0.0))
             mine["images_trained"] += images
-            mine["flops_run"] += float(c["flops_total"]) * images
-            run["flops_run"] += float(c["flops_total"]) * images
+            # flops_extra: what the round ran besides its SSL steps (Hetero-SSFL: the alignment term's RAD passes
+            # and the kernel's forward), already a whole round's figure
+            round_flops = float(c["flops_total"]) * images + float(c.get("flops_extra", 0.0))
+            mine["flops_run"] += round_flops
+            run["flops_run"] += round_flops
+            if c.get("flops_extra") is not None:
+                for where in (mine, run):
+                    where["flops_extra_run"] = where.get("flops_extra_run", 0.0) + float(c["flops_extra"])
             for key in RESOURCE_MAXIMA:
                 if c.get(key) is not None:
                     value = float(c[key])
@@ -544,7 +551,9 @@ class FedSSL(Strategy):
         totals = self.bytes_totals()  # the whole run, a resumed one too
         out["run"]["bytes_up"], out["run"]["bytes_down"] = totals["up"], totals["down"]
         out["units"] = ("bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward "
-                        "/ 2); flops_run = per-sample FLOPs x images trained, summed over rounds; mem_* analytic bytes "
+                        "/ 2); flops_run = per-sample FLOPs x images trained + flops_extra (a round's passes besides its SSL "
+                        "steps: Hetero-SSFL's alignment term and kernel forward; also summed alone as "
+                        "flops_extra_run), summed over rounds; mem_* analytic bytes "
                         "of one fp32 step at the training batch; rss_peak_bytes the client process's peak during "
                         "local training")
         return out

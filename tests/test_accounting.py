@@ -13,6 +13,7 @@ from ssl_models.accounting import (
     analytic_training_memory,
     backbone_training_flops,
     forward_flops,
+    function_training_flops,
     optimizer_state_factor,
     process_peak_rss_bytes,
     reset_peak_rss,
@@ -90,6 +91,19 @@ def test_training_step_flops_by_hand() -> None:
     assert counts["forward"] == 2 * (2 * 12 * 4)  # two views per sample
     assert counts["backward"] == 2 * (2 * 12 * 4)  # weight gradients only: the views need none
     assert counts["total"] == 4 * (2 * 12 * 4) and counts["batch_size"] == 3
+
+
+def test_function_training_flops_by_hand_and_the_module_untouched() -> None:
+    model = nn.Sequential(nn.Linear(5, 4, bias=False), nn.Linear(4, 3, bias=False))
+    before = [p.detach().clone() for p in model.parameters()]
+    counts = function_training_flops(model, lambda m: m, (5,), batch_size=4)
+    assert counts["forward"] == 2 * (5 * 4 + 4 * 3)
+    # weight gradients of both layers, the input gradient of the second only (the input needs none)
+    assert counts["backward"] == 2 * (5 * 4) + 2 * (4 * 3) + 2 * (4 * 3)
+    assert all(p.grad is None for p in model.parameters())  # counted on a copy
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # a part of the model: the first layer alone
+    assert function_training_flops(model, lambda m: m[0], (5,))["total"] == 2 * (2 * 5 * 4)
 
 
 def test_training_step_flops_leave_the_method_untouched_and_see_frozen_blocks() -> None:

@@ -135,6 +135,17 @@ def test_server_totals_and_maxima_by_hand():
     assert "flops_run" in out["units"]
 
 
+def test_a_rounds_extra_flops_add_to_the_run_and_are_kept_apart():
+    s = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2, seed=0)
+    s.account_resources([{**client(0, 100.0, 32, 1000, 5e8, 7), "flops_extra": 500.0},
+                         client(1, 300.0, 16, 3000, 4e8, 9)])
+    s.account_resources([{**client(0, 100.0, 32, 1000, 5e8, 7), "flops_extra": 250.0}])
+    c0, c1, run = s.client_resources["per_client"]["0"], s.client_resources["per_client"]["1"], s.client_resources["run"]
+    assert c0["flops_run"] == 2 * 100 * 32 + 500 + 250 and c0["flops_extra_run"] == 750
+    assert c1["flops_run"] == 300 * 16 and "flops_extra_run" not in c1
+    assert run["flops_run"] == 2 * 100 * 32 + 300 * 16 + 750 and run["flops_extra_run"] == 750
+
+
 def test_a_client_without_figures_counts_its_rounds_and_bytes_only():
     s = FedSSL(clients={0: 10}, clients_per_round=1, seed=0)
     s.account_resources([{"id": 0, "bytes_up": 5}])

@@ -59,6 +59,10 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     assert 0 <= summary["scores_by_arch"]["resnet34"]["linear_probe_acc_mean"] <= 1
     assert summary["client_archs"] == ["resnet18", "resnet34"] and summary["eval_bytes_up_total"] > 0
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
+    # The clients' FLOPs include the alignment term's RAD passes and the kernel forwards, kept apart as well.
+    run_res = summary["resources"]["run"]
+    assert 0 < run_res["flops_extra_run"] < run_res["flops_run"]
+    assert sum(c["flops_extra"] for r in rounds for c in r["clients"]) == pytest.approx(run_res["flops_extra_run"])
     # Training moved the clients: the loss of round 2 is below round 1's for both.
     assert all(second["loss"] < first["loss"] for first, second in
                zip(sorted(rounds[0]["clients"], key=lambda c: c["id"]), sorted(rounds[1]["clients"], key=lambda c: c["id"])))

@@ -24,7 +24,8 @@ from ssl_models.factory import build_ssl_model, state_to_numpy
 from ssl_models.federated.kernel_alignment import (KernelAligner, average_kernels, check_kernel_payload,
                                                    client_kernel, decode_kernel, encode_kernel, eval_mode,
                                                    kernel_cka, normalize_kernel, rad_forward_mode,
-                                                   rad_representations, representation_fn)
+                                                   rad_representations, rad_term_flops, representation_fn)
+from ssl_models.accounting import forward_flops, function_training_flops
 from ssl_models.federated.cka import center_kernel, kernel_alignment_loss, linear_kernel
 from ssl_models.training import train_ssl
 from strategies import HeteroSSFL, Local
@@ -207,6 +208,31 @@ def test_refresh_schedule_and_the_surrogate_gradient(small):
         KernelAligner(rad, target[:10, :10], mu=0.5)
 
 
+def test_the_term_counts_the_rad_images_it_passes_through_the_network(small):
+    cfg, rad, _, target = small
+    model = build_ssl_model(cfg, seed=3)
+    n = len(rad)  # 40
+    one_pass = KernelAligner(rad, target, mu=0.5, refresh="step", forward_batch_size=64)
+    chunked = KernelAligner(rad, target, mu=0.5, refresh="step", forward_batch_size=16)
+    minibatch = KernelAligner(rad, target, mu=0.5, refresh="minibatch", rad_batch_size=8)
+    epoch = KernelAligner(rad, target, mu=0.5, refresh="epoch", forward_batch_size=64)
+    epoch.on_epoch_start(model, 0)
+    for _ in range(3):
+        for aligner in (one_pass, chunked, minibatch, epoch):
+            aligner.loss(model)
+    assert (one_pass.stats.images_forward_backward, one_pass.stats.images_forward_only) == (3 * n, 0)
+    # a RAD larger than a forward batch: a no-gradient pass, then the chunks again with their graphs
+    assert (chunked.stats.images_forward_backward, chunked.stats.images_forward_only) == (3 * n, 3 * n)
+    assert (minibatch.stats.images_forward_backward, minibatch.stats.images_forward_only) == (3 * 8, 0)
+    assert (epoch.stats.images_forward_backward, epoch.stats.images_forward_only) == (n, 0)  # once per epoch
+    per_image = {"forward": 10.0, "backward": 17.0}
+    assert chunked.stats.flops(per_image) == 3 * n * (10 + 17) + 3 * n * 10
+    # the per-image figures: the representation's forward and backward, as the accounting module counts them
+    figures = rad_term_flops(model, "predictor", (3, 32, 32))
+    assert figures == function_training_flops(model, lambda m: representation_fn(m, "predictor"), (3, 32, 32))
+    assert figures["forward"] > forward_flops(model.backbone, (3, 32, 32)) > 0 and figures["backward"] > 0
+
+
 def eq2_at(model, rad, target, mu, bn_mode="eval"):
     """mu (1 - CKA(A A^T, K_bar)) and its gradient, computed directly at the model's current weights (the RAD
     forward with the graph, no chunking, no surrogate): Eq. 2's alignment term by hand."""
@@ -357,6 +383,16 @@ def test_two_clients_of_different_architectures_train_together():
     for r in second:  # refresh "step": the term recomputed at every one of the round's steps
         assert r.info["aligned"] and r.info["refreshes"] == r.stats.steps == 2 and 0 < r.info["cka_start"] <= 1 + 1e-5
         assert np.isfinite(r.info["align_loss"]) and np.isfinite(r.stats.loss)
+    # The round's FLOPs besides its SSL steps: the kernel's forward of the RAD (every round), and with K_bar the
+    # term's passes at every step (a 40-image RAD in forward batches of 16: a no-gradient pass plus the chunks
+    # with their graphs).
+    n = len(rad)
+    for pid in (0, 1):
+        f = rad_term_flops(initial_client_model(cfg, pid), "predictor", (3, *rad.shape[1:3]))
+        assert first[pid].stats.resources["flops_extra"] == pytest.approx(n * f["forward"])
+        assert second[pid].stats.resources["flops_extra"] == pytest.approx(
+            n * f["forward"] + 2 * (n * (f["forward"] + f["backward"]) + n * f["forward"]))
+    assert second[1].stats.resources["flops_extra"] > second[0].stats.resources["flops_extra"]  # ResNet-34
     # No global model: each client continues from its own weights (a near-zero learning rate keeps them).
     still = kernel_round(cfg, client_images(cfg, 1), rad, down, first[1].client_state, server_round=2,
                          partition_id=1, lr=1e-12, rad_digest=digest, options=opts)

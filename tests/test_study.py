@@ -138,6 +138,28 @@ def test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked(tmp
     assert list(table_rows(named)) == ["random init", "s-b"]
 
 
+def test_a_hetero_ssfl_run_without_its_terms_flops_shows_no_client_tflop(tmp_path):
+    for variant, extra in (("counted", {"flops_extra_run": 5e11}), ("before", None)):
+        for seed in (0, 1):
+            folder = tmp_path / "runs" / f"{variant}-seed{seed}"
+            fake_run(folder, variant, seed, 0.4, 0.3, 0.33, strategy="heterossfl")
+            summary = json.loads((folder / "summary.json").read_text())
+            summary["resources"]["run"].update(extra or {})
+            (folder / "summary.json").write_text(json.dumps(summary))
+    mixed = tmp_path / "runs" / "mixed-seed0"
+    fake_run(mixed, "mixed", 0, 0.4, 0.3, 0.33, strategy="heterossfl")
+    summary = json.loads((mixed / "summary.json").read_text())
+    summary["resources"]["run"]["flops_extra_run"] = 1e11
+    (mixed / "summary.json").write_text(json.dumps(summary))
+    fake_run(tmp_path / "runs" / "mixed-seed1", "mixed", 1, 0.4, 0.3, 0.33, strategy="heterossfl")
+    runs, order = study_runs(tmp_path)
+    report = write_report(tmp_path, runs, order, title="t")
+    rows = table_rows(report)
+    assert rows["counted"][10] == "2.0"  # flops_run as recorded (it already holds the term's FLOPs)
+    assert rows["before"][10] == "-" and rows["mixed"][10] == "-"  # no mean over a part of the seeds
+    assert "recorded before its alignment term's RAD passes were counted" in report.read_text()
+
+
 def test_the_alignment_table_is_the_clients_mean_cka_per_round_over_seeds(tmp_path):
     """Runs whose clients log cka_start / cka_end (Hetero-SSFL, mu 0 included) get the alignment table: per round
     the clients' mean before -> after, averaged over seeds, the mean change, the rounds it fell and the kernel norm

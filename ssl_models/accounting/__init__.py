@@ -11,6 +11,7 @@ Nothing here imports Flower; the Flower side multiplies per-step figures by step
 from ssl_models.accounting.flops import (
     backbone_training_flops,
     forward_flops,
+    function_training_flops,
     training_step_flops,
 )
 from ssl_models.accounting.memory import (
@@ -25,6 +26,7 @@ __all__ = [
     "analytic_training_memory",
     "backbone_training_flops",
     "forward_flops",
+    "function_training_flops",
     "optimizer_state_factor",
     "process_peak_rss_bytes",
     "reset_peak_rss",

@@ -150,4 +150,33 @@ def training_step_flops(method: nn.Module, view_shape: Sequence[int] = (3, 32, 3
     return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
 
 
-__all__ = ["backbone_training_flops", "flop_counter", "forward_flops", "training_step_flops"]
+def function_training_flops(module: nn.Module, function_of: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
+                            input_shape: Sequence[int], batch_size: int = 2, *,
+                            device: torch.device | str | None = None,
+                            count_cpu_attention: bool = False) -> dict[str, float]:
+    """Per-sample forward / backward / total FLOPs of ``function_of(module)`` on inputs of ``input_shape``, the
+    backward being that of its summed output to every parameter that requires a gradient: the cost of a forward and
+    backward through a part of a model other than its training step (e.g. Hetero-SSFL's alignment term, which
+    forwards the RAD through backbone, projector and predictor and backpropagates into them).
+
+    ``function_of`` builds the function from the module it is given: it runs on a deep copy in training mode (on
+    ``device``, default the module's), so the caller's module keeps its gradients and BatchNorm statistics.
+    """
+    _check_batch_size(batch_size)
+    work = copy.deepcopy(module)
+    target_device = torch.device(device) if device is not None else _module_device(module)
+    work.to(target_device).train()
+    fn = function_of(work)
+    x = _random_batch(input_shape, batch_size, target_device, torch.Generator().manual_seed(0))
+    with flop_counter(count_cpu_attention) as forward_counter:
+        out = fn(x)
+    backward = 0
+    if out.requires_grad:
+        with flop_counter(count_cpu_attention) as backward_counter:
+            out.backward(torch.ones_like(out))
+        backward = backward_counter.get_total_flops()
+    return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
+
+
+__all__ = ["backbone_training_flops", "flop_counter", "forward_flops", "function_training_flops",
+           "training_step_flops"]

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_models.accounting.flops import function_training_flops
 from ssl_models.data.augment import to_float_nchw
 from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss,
                                       linear_kernel, rbf_kernel)
@@ -303,10 +304,28 @@ class AlignmentStats:
     values: list[float] = field(default_factory=list)  # mu * (1 - CKA) at every refresh (every step: minibatch)
     ckas: list[float] = field(default_factory=list)  # CKA(K_k, K_bar) at the same moments (minibatch: on the subset)
     refreshes: int = 0
+    # RAD images the term sent through the network: with a backward into the parameters, and forward only (the
+    # no-gradient pass of a RAD larger than one forward batch); times rad_term_flops' per-image figures = its cost.
+    images_forward_backward: int = 0
+    images_forward_only: int = 0
 
     @property
     def mean_value(self) -> float | None:
         return sum(self.values) / len(self.values) if self.values else None
+
+    def flops(self, per_image: Mapping[str, float]) -> float:
+        """FLOPs of the term's network passes this round, from ``rad_term_flops``' per-image forward / backward
+        (the kernel and CKA arithmetic, O(N^2 d) against the network's O(N) passes, is left out)."""
+        forward, backward = float(per_image["forward"]), float(per_image["backward"])
+        return self.images_forward_backward * (forward + backward) + self.images_forward_only * forward
+
+
+def rad_term_flops(method: nn.Module, representation: str, image_shape: tuple[int, ...]) -> dict[str, float]:
+    """Per-image FLOPs (forward, backward, total) of one RAD image's pass for the kernel: through
+    ``representation_fn(method, representation)`` and back into every trainable parameter (counted on a deep copy,
+    ``function_training_flops``)."""
+    return function_training_flops(method, lambda m: representation_fn(m, representation), image_shape,
+                                   batch_size=2)
 
 
 class KernelAligner:
@@ -414,6 +433,7 @@ class KernelAligner:
                 features = fn(_float_input(self.rad, self.channels_last)).float()
                 loss, similarity = self._kernel_loss(features, self.target)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
+                self.stats.images_forward_backward += n
             else:  # no-grad pass, dL/dA in feature space, then chunk-wise backward through the network
                 with torch.no_grad():
                     features = torch.cat([a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size,
@@ -425,6 +445,8 @@ class KernelAligner:
                 for start, stop, a in _forward_chunks(fn, self.rad, self.forward_batch_size, self.channels_last):
                     part = torch.autograd.grad((a * grad_features[start:stop]).sum(), params, allow_unused=True)
                     grads = [g if d is None else (d if g is None else g + d) for g, d in zip(grads, part)]
+                self.stats.images_forward_only += n
+                self.stats.images_forward_backward += n
         self._grads = [(p, g.detach()) for p, g in zip(params, grads) if g is not None]
         self._value = float(loss.detach())
         self._refreshed = True
@@ -439,6 +461,7 @@ class KernelAligner:
             features = fn(_float_input(self.rad[idx], self.channels_last)).float()
             loss, similarity = self._kernel_loss(features, self.target[idx][:, idx])
         self.stats.refreshes += 1
+        self.stats.images_forward_backward += int(idx.numel())  # its backward runs in the training step's
         self._record(float(loss.detach()), similarity)
         return loss
 
