@@ -79,12 +79,13 @@ def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, mo
         "linear_probe_gain_std\nrandom init,random init,,0 1,30.0,1.0,25.0,1.0,,\n"
         "FLESD,variant,,0 1,41.25,0.5,35.0,0.2,11.25,0.5\n")
     (study / "report.md").write_text(
-        "Command: `fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /tmp/o`\n"
+        "Command: `fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /tmp/o --reuse /some/where/sweep/`\n"
         "<!-- --8<-- [start:scale] -->\nScale: tiny.\n<!-- --8<-- [end:scale] -->\n"
         "<!-- --8<-- [start:table] -->\n| row |\n|---|\n| FLESD |\n<!-- --8<-- [end:table] -->\n")
     monkeypatch.setattr(gen, "PUBLISHED", tmp_path / "published")
     out = gen.publish(study)
-    assert "data.path=c.npz" in (out / "report.md").read_text() and "/some/where" not in (out / "report.md").read_text()
+    assert "data.path=c.npz --reuse sweep`" in (out / "report.md").read_text()
+    assert "/some/where" not in (out / "report.md").read_text() and "/tmp" not in (out / "report.md").read_text()
     block = gen.results_block()
     assert "| FLESD | 0 1 | 41.25 ± 0.50 | +11.25 ± 0.50 |" in block
     assert "| random init | 0 1 | 30.00 ± 1.00 | 0 |" in block
