@@ -535,8 +535,8 @@ _RAD_PASS_FLOPS: dict[tuple, dict[str, float]] = {}
 
 def _rad_pass_flops(method, representation: str, image_shape: tuple[int, ...]) -> dict[str, float]:
     """``rad_term_flops`` of this model, kept per process (keyed by its parameter shapes)."""
-    key = (type(method).__name__, tuple((name, tuple(p.shape), p.requires_grad) for name, p in method.named_parameters()),
-           representation, tuple(image_shape))
+    shapes = tuple((name, tuple(p.shape), p.requires_grad) for name, p in method.named_parameters())
+    key = (type(method).__name__, shapes, representation, tuple(image_shape))
     if key not in _RAD_PASS_FLOPS:
         _RAD_PASS_FLOPS[key] = rad_term_flops(method, representation, image_shape)
     return _RAD_PASS_FLOPS[key]

@@ -218,7 +218,8 @@ def publish(study_dir: Path) -> Path:
         text = src.read_text()
         text = re.sub(r"(data\.path=)\S*/([^/\s`]+)", r"\1\2", text)  # --set data.path=/x/y/cifar.npz -> cifar.npz
         text = re.sub(r" --out [^\s`]+", "", text)  # the closing backtick of the command stays
-        text = re.sub(r"(--reuse )(?:[^\s`]*/)?([^/\s`]+)/?(?=[\s`]|$)", r"\1\2", text)  # --reuse /x/heterossfl-sweep -> heterossfl-sweep
+        # --reuse /x/heterossfl-sweep -> --reuse heterossfl-sweep
+        text = re.sub(r"(--reuse )(?:[^\s`]*/)?([^/\s`]+)/?(?=[\s`]|$)", r"\1\2", text)
         (out / item).write_text(text)
     return out
 

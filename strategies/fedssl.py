@@ -551,11 +551,10 @@ class FedSSL(Strategy):
         totals = self.bytes_totals()  # the whole run, a resumed one too
         out["run"]["bytes_up"], out["run"]["bytes_down"] = totals["up"], totals["down"]
         out["units"] = ("bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward "
-                        "/ 2); flops_run = per-sample FLOPs x images trained + flops_extra (a round's passes besides its SSL "
-                        "steps: Hetero-SSFL's alignment term and kernel forward; also summed alone as "
-                        "flops_extra_run), summed over rounds; mem_* analytic bytes "
-                        "of one fp32 step at the training batch; rss_peak_bytes the client process's peak during "
-                        "local training")
+                        "/ 2); flops_run = per-sample FLOPs x images trained + flops_extra (a round's passes besides "
+                        "its SSL steps: Hetero-SSFL's alignment term and kernel forward; also summed alone as "
+                        "flops_extra_run), summed over rounds; mem_* analytic bytes of one fp32 step at the training "
+                        "batch; rss_peak_bytes the client process's peak during local training")
         return out
 
     def round_wall_s(self, server_round: int) -> float:

@@ -150,7 +150,8 @@ def training_step_flops(method: nn.Module, view_shape: Sequence[int] = (3, 32, 3
     return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
 
 
-def function_training_flops(module: nn.Module, function_of: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
+def function_training_flops(module: nn.Module,
+                            function_of: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
                             input_shape: Sequence[int], batch_size: int = 2, *,
                             device: torch.device | str | None = None,
                             count_cpu_attention: bool = False) -> dict[str, float]:
