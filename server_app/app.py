@@ -489,6 +489,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         reference = {arch: evaluator.random_init(arch, linear=cfg.eval.linear_probe) for arch in archs}
         reference_entries = random_init_entries(
             scores, by_model, {name: model.arch for name, model in models.items()}, reference)
+    this_process_s = time.perf_counter() - started  # one reading: run_s is exactly the time before plus this
     summary = {
         "name": cfg.name,
         "method": cfg.method.name,
@@ -503,8 +504,8 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
         # the whole run: the time up to the checkpoint a resume started from, and this process's
-        "run_s": elapsed_before + time.perf_counter() - started,
-        "run_s_this_process": time.perf_counter() - started,
+        "run_s": elapsed_before + this_process_s,
+        "run_s_this_process": this_process_s,
         **({"resumed_after_round": checkpoint.round} if checkpoint is not None else {}),
         "eval": {"num_train": scores["num_train"], "num_test": scores["num_test"],
                  "feature_dim": scores["feature_dim"], "features": "backbone (global average pool)",
