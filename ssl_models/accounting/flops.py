@@ -105,18 +105,8 @@ def backbone_training_flops(module: nn.Module, input_shape: Sequence[int], batch
     section 5 reference table counts. Runs on a deep copy, so no gradient, BN statistic or generator state is
     left behind. Parameters with ``requires_grad=False`` get no weight gradient and their cost shows up.
     """
-    _check_batch_size(batch_size)
-    work = copy.deepcopy(module).train()
-    generator = torch.Generator().manual_seed(0)
-    x = _random_batch(input_shape, batch_size, _module_device(work), generator)
-    with flop_counter(count_cpu_attention) as forward_counter:
-        out = work(x)
-    backward = 0
-    if out.requires_grad:
-        with flop_counter(count_cpu_attention) as backward_counter:
-            out.backward(torch.ones_like(out))
-        backward = backward_counter.get_total_flops()
-    return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
+    return function_training_flops(module, lambda work: work, input_shape, batch_size,
+                                   count_cpu_attention=count_cpu_attention)
 
 
 def training_step_flops(method: nn.Module, view_shape: Sequence[int] = (3, 32, 32), batch_size: int = 2,
