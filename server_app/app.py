@@ -23,7 +23,8 @@ from ssl_models.factory import build_ssl_model, load_partial_state, split_state,
 from ssl_models.data.splits import eval_subset_seeds, eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
-from strategies.fedssl import CodeMismatchStop, ModelToEvaluate
+from strategies.fedssl import ModelToEvaluate
+from strategies.replies import CodeMismatchStop
 from strategies.nodes import query_partitions
 from fedssl_wire import (RunStopped, clear_run_stopped, code_mismatch_reason, from_array_record, mark_run_stopped,
                          readable_reason, to_array_record)

@@ -9,17 +9,16 @@ their targets, the server averages them and the clients take the averaged target
 stays on the client.
 
 The class only orchestrates: sampling, per-node messages, byte accounting and bookkeeping. The math
-lives in ``strategies.aggregation``; the training in the ClientApp.
+lives in ``strategies.aggregation``, the reply checks in ``strategies.replies``, the clients' resource book in
+``strategies.resources``, waiting for nodes in ``strategies.nodes``; the training in the ClientApp.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -30,42 +29,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
-from .nodes import client_timeline, query_partitions, send_and_receive
+from .nodes import client_timeline, send_and_receive, wait_for_partitions
 from .options import check_choice
+from .replies import ArraySpec, array_spec, arrays_problem, metrics_problem, screen_replies, size_problem
+from .resources import ClientResourceBook
 from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, code_identity,
-                         code_mismatch_reason, from_array_record, readable_reason, record_bytes, record_manifest,
-                         to_array_record)
+                         from_array_record, readable_reason, record_bytes, to_array_record)
 
-NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
-# Per-step client figures whose maxima per client and per run go to summary.json (the clients' ``res.*`` metrics).
-RESOURCE_MAXIMA = ("flops_total", "flops_fvcore_equivalent", "mem_total", "mem_activations", "rss_peak_bytes")
 DEFAULT_MAX_REPLY_BYTES = 8 * 2**30  # a reply larger than this is refused (federation.max_reply_mb sets it)
-
-
-class NotEnoughValidReplies(RuntimeError):
-    """Fewer valid replies than ``federation.min_replies`` in a round: the run stops, the global model unchanged."""
-
-
-class CodeMismatchStop(RuntimeError):
-    """A client runs other code than the ServerApp: the run stops with the client's reason."""
-
-
-class RejectedReply:
-    """Stands in for a client reply that failed validation: it reads as an error reply (``has_error()``, with the
-    reason), so the round counts it among its failed clients and nothing of it is used."""
-
-    def __init__(self, reply: Message, reason: str) -> None:
-        self.metadata = reply.metadata
-        self.error = SimpleNamespace(code=0, reason=f"reply rejected: {reason}")
-        self.content = None
-
-    def has_error(self) -> bool:
-        return True
-
-
-def array_spec(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name -> (shape, dtype) of the arrays of a record: what a reply must carry back."""
-    return {name: (shape, str(dtype)) for name, dtype, shape in record_manifest(record)}
 
 
 @dataclass(frozen=True)
@@ -155,14 +126,13 @@ class FedSSL(Strategy):
         self._round_start: dict[int, float] = {}
         self._bytes_down: dict[int, int] = {}
         self._sent: dict[int, list[Message]] = {}  # each round's messages, to name the clients that failed
-        self._upload_spec: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # per round: expected "arrays"
+        self._upload_spec: dict[int, ArraySpec] = {}  # per round: the "arrays" a reply must carry back
         self.max_reply_bytes = DEFAULT_MAX_REPLY_BYTES
         self.min_replies = 1
         self._validated: set[int] = set()  # ids of replies already found valid (subclasses screen before super())
         self._foreign_nodes: set[int] = set()  # connected nodes that hold none of this experiment's clients
-        # Per-client and per-run resource totals and maxima (clients' ``res.*`` metrics), kept incrementally so a
-        # resumed run restores them from its checkpoint; summary.json's "resources".
-        self.client_resources: dict[str, Any] = {"per_client": {}, "run": {"flops_run": 0.0}}
+        # The clients' resource figures (their ``res.*`` metrics) per client and per run; summary.json's "resources".
+        self.resource_book = ClientResourceBook()
         self.reply_arrivals: dict[str, float] = {}  # reply message id -> when the ServerApp pulled it (epoch s)
 
     def prepare(self, cfg, data, split) -> None:
@@ -219,37 +189,10 @@ class FedSSL(Strategy):
         return available
 
     def wait_for_clients(self, grid: Grid, server_round: int) -> list[int]:
-        """Partition ids whose nodes are connected, once at least ``min_available`` are (or time runs out)."""
-        deadline = time.monotonic() + self.node_wait_s
-        while True:
-            connected = set(grid.get_node_ids())
-            available = [pid for pid, node in self.clients.items() if node in connected]
-            if len(available) < len(self.clients) and connected - set(self.clients.values()):
-                available = self.adopt_new_nodes(grid, connected, server_round)
-            if len(available) >= self.min_available:
-                return available
-            if time.monotonic() > deadline:
-                if not available:
-                    raise RuntimeError(f"round {server_round}: no client node is connected")
-                log(WARNING, "round %d: only %d of the %d required clients are connected; going on with them",
-                    server_round, len(available), self.min_available)
-                return available
-            time.sleep(1.0)
-
-    def adopt_new_nodes(self, grid: Grid, connected: set[int], server_round: int) -> list[int]:
-        """A client whose node is gone may be back under a new node id (a SuperNode restarted without a
-        registered key): ask the unknown nodes which partition they hold and take them in."""
-        unknown = connected - set(self.clients.values()) - self._foreign_nodes
-        for info in query_partitions(grid, unknown, timeout=NODE_QUERY_TIMEOUT_S):
-            if info.error or info.partition_id not in self.clients or info.num_partitions != len(self.clients):
-                log(WARNING, "round %d: ignoring node %d (%s)", server_round, info.node_id,
-                    info.error or f"partition {info.partition_id} of {info.num_partitions}")
-                self._foreign_nodes.add(info.node_id)  # not one of this experiment's clients: ask once
-                continue
-            if self.clients[info.partition_id] not in connected:
-                log(INFO, "round %d: client %d is back on node %d", server_round, info.partition_id, info.node_id)
-                self.clients[info.partition_id] = info.node_id
-        return [pid for pid, node in self.clients.items() if node in connected]
+        """Partition ids whose nodes are connected, once at least ``min_available`` are (or time runs out); a client
+        back under a new node id is taken in (``strategies.nodes.wait_for_partitions``)."""
+        return wait_for_partitions(grid, self.clients, min_available=self.min_available, wait_s=self.node_wait_s,
+                                   foreign=self._foreign_nodes, server_round=server_round)
 
     def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The global arrays every client of the round receives (hook for subclasses)."""
@@ -278,77 +221,28 @@ class FedSSL(Strategy):
         """Why ``reply`` must not be used, or None. Checked before anything of it is used: the metrics (partition id
         of the node it was sent to, example count > 0, a finite loss), the size, the arrays (exactly the expected
         names, shapes and dtypes where the strategy expects them; finite values), then the strategy's own
-        payload check."""
+        payload check (``strategies.replies`` holds the checks)."""
         content = reply.content
         if "metrics" not in content.metric_records:
             return "no metrics record"
-        m = content["metrics"]
-        pid_of_node = {node: pid for pid, node in self.clients.items()}
-        pid, expected_pid = m.get("partition-id"), pid_of_node.get(reply.metadata.src_node_id)
-        if not isinstance(pid, int) or pid != expected_pid:
-            return f"partition-id {pid!r} does not match the node's client {expected_pid!r}"
-        n = m.get("num-examples")
-        if not isinstance(n, int) or n <= 0:
-            return f"num-examples must be an integer > 0, got {n!r}"
-        loss = m.get("train_loss")
-        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
-            return f"train_loss must be a finite number, got {loss!r}"
-        size = sum(record_bytes(rec) for rec in content.array_records.values())
-        if size > self.max_reply_bytes:
-            return f"{size / 2**20:.1f} MiB of arrays exceeds federation.max_reply_mb ({self.max_reply_bytes / 2**20:.0f})"
+        pid = {node: pid for pid, node in self.clients.items()}.get(reply.metadata.src_node_id)
+        problem = metrics_problem(content["metrics"], pid) or size_problem(content, self.max_reply_bytes)
+        if problem:
+            return problem
         try:
-            return self._check_reply_arrays(server_round, pid, content) or \
+            return arrays_problem(content, self.expected_reply_arrays(server_round, pid)) or \
                 self.check_reply_payload(server_round, pid, reply)
         except ValueError as exc:  # a packed record whose manifest and buffer disagree
             return str(exc)
 
-    def _check_reply_arrays(self, server_round: int, pid: int, content) -> str | None:
-        expected = self.expected_reply_arrays(server_round, pid) or {}
-        for name, spec in expected.items():
-            if name not in content.array_records:
-                return f"no {name!r} record"
-            got = array_spec(content.array_records[name])
-            missing, unexpected = sorted(set(spec) - set(got)), sorted(set(got) - set(spec))
-            if missing or unexpected:
-                parts = ([f"missing arrays {missing[:3]}"] if missing else []) + \
-                    ([f"unexpected arrays {unexpected[:3]}"] if unexpected else [])
-                return f"record {name!r}: " + ", ".join(parts)
-            wrong = [k for k in spec if got[k] != spec[k]]
-            if wrong:
-                k = wrong[0]
-                return f"record {name!r}: array {k!r} has shape/dtype {got[k]}, expected {spec[k]}"
-        for name, record in content.array_records.items():
-            for key, values in from_array_record(record).items():
-                if values.dtype.kind in "fc" and not np.isfinite(values).all():
-                    return f"record {name!r}: array {key!r} holds non-finite values"
-        return None
-
     def screen_replies(self, server_round: int, replies: list) -> list:
         """The round's replies with every invalid one replaced by a ``RejectedReply`` (logged with node, client and
-        reason); stops the run if fewer than ``federation.min_replies`` valid replies remain."""
-        for r in replies:  # a client running other code: no later round can be trusted either
-            refusal = code_mismatch_reason(r.error.reason) if r.has_error() else None
-            if refusal:
-                raise CodeMismatchStop(f"round {server_round}: a client refused the round: {refusal}")
-        screened = []
-        for r in replies:
-            if not r.has_error() and id(r) not in self._validated:
-                reason = self.validate_reply(server_round, r)
-                if reason is not None:
-                    pid = {node: p for p, node in self.clients.items()}.get(r.metadata.src_node_id)
-                    log(WARNING, "round %d: reply of node %d (client %s) dropped: %s", server_round,
-                        r.metadata.src_node_id, pid, reason)
-                    r = RejectedReply(r, reason)
-                else:
-                    self._validated.add(id(r))
-            screened.append(r)
-        valid = sum(not r.has_error() for r in screened)
-        if valid < self.min_replies:
-            reasons = "; ".join(readable_reason(r.error.reason) for r in screened if r.has_error()) or "no reply"
-            raise NotEnoughValidReplies(
-                f"round {server_round}: {valid} valid replies, fewer than federation.min_replies={self.min_replies} "
-                f"({reasons}); the global model is unchanged")
-        return screened
+        reason); stops the run if a client runs other code or fewer than ``federation.min_replies`` valid replies
+        remain (``strategies.replies.screen_replies``)."""
+        return screen_replies(replies, server_round=server_round,
+                              problem=lambda r: self.validate_reply(server_round, r), already_valid=self._validated,
+                              partition_of_node={node: pid for pid, node in self.clients.items()},
+                              min_replies=self.min_replies)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -445,14 +339,15 @@ class FedSSL(Strategy):
         """What a checkpoint must hold to resume this strategy exactly: (plain JSON-able state, arrays, on-disk
         stores by name -> folder). Subclasses extend all three (call super)."""
         stores = {"server-side": str(self.server_store.root)} if self.server_store is not None else {}
-        return {"client_resources": copy.deepcopy(self.client_resources), "bytes_totals": self.bytes_totals()}, {}, stores
+        return ({"client_resources": copy.deepcopy(self.resource_book.totals), "bytes_totals": self.bytes_totals()},
+                {}, stores)
 
     def restore_state(self, plain: dict[str, Any], arrays: dict[str, np.ndarray], stores: dict[str, str]) -> None:
         """Undo ``checkpoint_state`` after ``prepare`` (``stores``: name -> the checkpoint's snapshot folder)."""
         if self.server_store is not None and "server-side" in stores:
             self.server_store.replace_with(stores["server-side"])
         if "client_resources" in plain:
-            self.client_resources = copy.deepcopy(plain["client_resources"])
+            self.resource_book = ClientResourceBook(plain["client_resources"])
         self._bytes_before = dict(plain.get("bytes_totals", {"up": 0, "down": 0}))
 
     def bytes_totals(self) -> dict[str, int]:
@@ -517,45 +412,19 @@ class FedSSL(Strategy):
             record["timeline_s"] = timeline
         return record
 
+    @property
+    def client_resources(self) -> dict[str, Any]:
+        """The resource book's per-client and per-run totals (``strategies.resources``)."""
+        return self.resource_book.totals
+
     def account_resources(self, clients: list[dict[str, Any]]) -> None:
-        """Add one round's client records to the run's resource figures: per client the rounds, bytes up, FLOPs of
-        the round (per-sample FLOPs of a step x images trained, plus the round's ``flops_extra``, summed) and the
-        maxima of the per-step figures."""
-        run = self.client_resources["run"]
-        for c in clients:
-            mine = self.client_resources["per_client"].setdefault(
-                str(c["id"]), {"rounds": 0, "bytes_up": 0, "images_trained": 0.0, "flops_run": 0.0})
-            mine["rounds"] += 1
-            mine["bytes_up"] += int(c.get("bytes_up", 0))
-            if c.get("flops_total") is None:
-                continue
-            images = float(c.get("images_trained", 0.0))
-            mine["images_trained"] += images
-            # flops_extra: what the round ran besides its SSL steps (Hetero-SSFL: the alignment term's RAD passes
-            # and the kernel's forward), already a whole round's figure
-            round_flops = float(c["flops_total"]) * images + float(c.get("flops_extra", 0.0))
-            mine["flops_run"] += round_flops
-            run["flops_run"] += round_flops
-            if c.get("flops_extra") is not None:
-                for where in (mine, run):
-                    where["flops_extra_run"] = where.get("flops_extra_run", 0.0) + float(c["flops_extra"])
-            for key in RESOURCE_MAXIMA:
-                if c.get(key) is not None:
-                    value = float(c[key])
-                    for where in (mine, run):
-                        where[f"{key}_max"] = max(where.get(f"{key}_max", value), value)
+        """Add one round's client records to the run's resource book (``ClientResourceBook.add_round``)."""
+        self.resource_book.add_round(clients)
 
     def resource_summary(self) -> dict[str, Any]:
-        """summary.json's "resources": the clients' figures, with the run's bytes both ways."""
-        out = copy.deepcopy(self.client_resources)
-        totals = self.bytes_totals()  # the whole run, a resumed one too
-        out["run"]["bytes_up"], out["run"]["bytes_down"] = totals["up"], totals["down"]
-        out["units"] = ("bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward "
-                        "/ 2); flops_run = per-sample FLOPs x images trained + flops_extra (a round's passes besides "
-                        "its SSL steps: Hetero-SSFL's alignment term and kernel forward; also summed alone as "
-                        "flops_extra_run), summed over rounds; mem_* analytic bytes of one fp32 step at the training "
-                        "batch; rss_peak_bytes the client process's peak during local training")
-        return out
+        """summary.json's "resources": the clients' figures, with the run's bytes both ways (a resumed run's too)."""
+        totals = self.bytes_totals()
+        return self.resource_book.summary(bytes_up=totals["up"], bytes_down=totals["down"])
 
     def round_wall_s(self, server_round: int) -> float:
         start = self._round_start.get(server_round)

@@ -61,7 +61,8 @@ from ssl_models.factory import load_partial_state
 from ssl_models.training import resolve_device
 
 from .aggregation import weighted_average
-from .fedssl import FedSSL, ModelToEvaluate, array_spec
+from .fedssl import FedSSL, ModelToEvaluate
+from .replies import array_spec
 from .options import check_choice, check_positive, check_unit
 from fedssl_wire import (LAYERWISE_MESSAGE_TYPE, entry_nbytes, from_array_record, record_bytes, record_manifest,
                          record_names, to_array_record)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from logging import INFO, WARNING
 from typing import Iterable
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedssl_wire import INFO_MESSAGE_TYPE, code_identity
@@ -136,3 +138,48 @@ def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[Node
         out.append((NodeInfo(reply.metadata.src_node_id, int(m["partition-id"]), int(m["num-partitions"]),
                              str(info.get("host", "")) if info is not None else ""), False))
     return out
+
+
+NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
+
+
+def wait_for_partitions(grid: Grid, clients: dict[int, int], *, min_available: int, wait_s: float,
+                        foreign: set[int], server_round: int, query_timeout: float = NODE_QUERY_TIMEOUT_S
+                        ) -> list[int]:
+    """Partition ids whose nodes are connected, once at least ``min_available`` are, or when ``wait_s`` has passed
+    (then with a warning, and an error if none is). ``clients`` (partition id -> node id) and ``foreign`` (nodes
+    known to hold none of this experiment's clients) are updated in place by ``adopt_new_nodes``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        connected = set(grid.get_node_ids())
+        available = [pid for pid, node in clients.items() if node in connected]
+        if len(available) < len(clients) and connected - set(clients.values()):
+            available = adopt_new_nodes(grid, clients, connected, foreign=foreign, server_round=server_round,
+                                        query_timeout=query_timeout)
+        if len(available) >= min_available:
+            return available
+        if time.monotonic() > deadline:
+            if not available:
+                raise RuntimeError(f"round {server_round}: no client node is connected")
+            log(WARNING, "round %d: only %d of the %d required clients are connected; going on with them",
+                server_round, len(available), min_available)
+            return available
+        time.sleep(1.0)
+
+
+def adopt_new_nodes(grid: Grid, clients: dict[int, int], connected: set[int], *, foreign: set[int],
+                    server_round: int, query_timeout: float = NODE_QUERY_TIMEOUT_S) -> list[int]:
+    """A client whose node is gone may be back under a new node id (a SuperNode restarted without a registered
+    key): ask the unknown connected nodes which partition they hold and take them into ``clients``. A node that
+    holds none of them goes to ``foreign`` and is not asked again. Returns the partition ids now connected."""
+    unknown = connected - set(clients.values()) - foreign
+    for info in query_partitions(grid, unknown, timeout=query_timeout):
+        if info.error or info.partition_id not in clients or info.num_partitions != len(clients):
+            log(WARNING, "round %d: ignoring node %d (%s)", server_round, info.node_id,
+                info.error or f"partition {info.partition_id} of {info.num_partitions}")
+            foreign.add(info.node_id)
+            continue
+        if clients[info.partition_id] not in connected:
+            log(INFO, "round %d: client %d is back on node %d", server_round, info.partition_id, info.node_id)
+            clients[info.partition_id] = info.node_id
+    return [pid for pid, node in clients.items() if node in connected]

@@ -16,7 +16,8 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from fedssl_wire import (APP_DIGEST_KEY, CODE_MISMATCH, WIRE_VERSION, WIRE_VERSION_KEY, CodeMismatch,
                          app_code_digest, check_same_code, code_identity)
 from flwr_harness import REPO, flwr_env, kill_processes_with_env, read_jsonl
-from strategies.fedssl import CodeMismatchStop, FedSSL
+from strategies.fedssl import FedSSL
+from strategies.replies import CodeMismatchStop
 
 
 def test_the_same_code_passes_and_other_code_is_refused_naming_both():
