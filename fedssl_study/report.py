@@ -339,9 +339,10 @@ def scale_line(runs: list[RunData]) -> str:
             f"train and {e.get('max_test') or 'all'} test images")
 
 
-def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title: str, command: str = "",
-                 missing: list[str] | None = None) -> Path:
-    """Write report.md, report.csv and the plots into ``out_dir``; returns report.md's path."""
+def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title: str,
+                 command: str | list[str] = "", missing: list[str] | None = None) -> Path:
+    """Write report.md, report.csv and the plots into ``out_dir``; returns report.md's path. ``command``: the
+    command that produced the runs, or the several, oldest first, that filled a study folder."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = build_rows(runs, order)
@@ -354,8 +355,12 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
                          for k in CSV_COLUMNS})
     (out_dir / "report.csv").write_text(buffer.getvalue())
     lines = [f"# {title}", ""]
-    if command:
-        lines += [f"Command: `{command}`", ""]
+    commands = [command] if isinstance(command, str) else list(command)
+    commands = [c for c in commands if c]
+    if len(commands) == 1:
+        lines += [f"Command: `{commands[0]}`", ""]
+    elif commands:
+        lines += ["Commands, in the order they ran into this folder:", ""] + [f"- `{c}`" for c in commands] + [""]
     if runs:
         lines += ["<!-- --8<-- [start:scale] -->",
                   f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
@@ -485,6 +490,14 @@ def study_record(study_dir: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def study_commands(record: dict[str, Any]) -> list[str]:
+    """The commands that ran into a study folder, oldest first (a record from before the list: its one command)."""
+    commands = record.get("commands")
+    if isinstance(commands, list):
+        return [str(c) for c in commands if c]
+    return [str(record["command"])] if record.get("command") else []
+
+
 def report_study(study_dir: Path, command: str = "") -> Path:
     """``fedssl-study report``: the report of a study folder (every finished run)."""
     study_dir = Path(study_dir)
@@ -493,7 +506,7 @@ def report_study(study_dir: Path, command: str = "") -> Path:
         if (study_dir / "runs").is_dir() else []
     record = study_record(study_dir)
     return write_report(study_dir, runs, order, title=f"Study {record.get('study', study_dir.name)}",
-                        command=command or record.get("command", ""), missing=unfinished)
+                        command=[command] if command else study_commands(record), missing=unfinished)
 
 
 def report_runs(folders: list[Path], out_dir: Path, command: str = "") -> Path:

@@ -2,7 +2,7 @@
 
 ```
 <study-dir>/
-  study.yaml                     the study as run (its file, the overrides given, the command)
+  study.yaml                     the study as run (its file, the overrides given, every command run into it)
   runs/<variant>-seed<N>/        one run: config.yaml (the resolved experiment), run.json (its flwr run ids and
                                  outcome), and what the ServerApp writes: progress.log, metrics.jsonl,
                                  summary.json, model.pt, checkpoints/
@@ -37,6 +37,7 @@ import yaml
 from .launcher import LaunchError, Launcher
 from server_app.provenance import config_hash, git_state
 
+from .report import study_commands, study_record
 from .spec import Study, slug, validate_experiment
 
 RUNS = "runs"
@@ -121,10 +122,15 @@ class StudyRunner:
         self.durations: list[float] = []  # wall time of the runs finished by this invocation (the ETA)
 
     def write_study_record(self) -> None:
+        """study.yaml: the study as this invocation runs it, and every command that has run into this folder (a
+        study filled by several invocations, e.g. one per variant, has runs from each; its report lists them)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        commands = study_commands(study_record(self.dir))
+        if self.command and (not commands or commands[-1] != self.command):
+            commands.append(self.command)
         record = {"study": self.study.name, "file": str(self.study.path), "base": str(self.study.base),
                   "seeds": self.study.seeds, "overrides": self.study.overrides, "variants": self.study.variants,
-                  "command": self.command, "description": self.study.description}
+                  "command": self.command, "commands": commands, "description": self.study.description}
         (self.dir / "study.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
 
     def run(self) -> list[RunOutcome]:

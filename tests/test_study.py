@@ -218,6 +218,34 @@ def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path)
     assert any("FedBYOL, seed 0: interrupted" in line for line in said), said
 
 
+def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
+    """A study folder filled one variant at a time (--variants, --seeds) holds runs from several commands:
+    study.yaml keeps every command, oldest first and once each, and the report lists them all, not the last one
+    alone (a record from before the list shows its one command)."""
+    from fedssl_study.report import study_commands
+    from fedssl_study.runner import StudyRunner
+
+    study = load_study(write(tmp_path / "s.yaml", {
+        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0],
+        "overrides": {"data.dataset": "synthetic"}, "variants": {"FedBYOL": {}}}))
+    out = tmp_path / "out"
+    for command in ("fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B",
+                    "fedssl-study run s.yaml --variants B"):
+        StudyRunner(study, out, launcher=None, command=command).write_study_record()
+    record = yaml.safe_load((out / "study.yaml").read_text())
+    assert record["commands"] == ["fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B"]
+    assert record["command"] == "fedssl-study run s.yaml --variants B"
+    assert study_commands({"command": "fedssl-study run old.yaml"}) == ["fedssl-study run old.yaml"]
+    fake_run(out / "runs" / "fedbyol-seed0", "FedBYOL", 0, 0.41, 0.3, 0.33)
+    from fedssl_study.report import report_study
+    text = report_study(out).read_text()
+    assert "Commands, in the order they ran into this folder:\n\n- `fedssl-study run s.yaml --variants A`\n" \
+           "- `fedssl-study run s.yaml --variants B`\n" in text
+    assert "Command: `" not in text
+    write_report(tmp_path / "one", [], [], title="t", command="fedssl-report r1 r2")
+    assert "Command: `fedssl-report r1 r2`" in (tmp_path / "one" / "report.md").read_text()
+
+
 def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(tmp_path):
     """--reuse: a (variant, seed) whose resolved config, seed included and name and output folder left out, equals
     a finished run's of another study folder is copied from there (records, not checkpoints) with run.json naming
