@@ -147,7 +147,8 @@ def study_runs(study_dir: Path) -> tuple[list[RunData], list[str]]:
     study_dir = Path(study_dir)
     record = study_record(study_dir)
     runs = [r for r in (read_run(p) for p in sorted((study_dir / "runs").glob("*"))) if r is not None]
-    order = list((record.get("variants") or {}).keys())
+    # the study file's order (a record from before variant_order: the variants it ran, then the rest as found)
+    order = list(record.get("variant_order") or (record.get("variants") or {}).keys())
     for run in runs:
         if run.variant not in order:
             order.append(run.variant)

@@ -130,6 +130,7 @@ class StudyRunner:
             commands.append(self.command)
         record = {"study": self.study.name, "file": str(self.study.path), "base": str(self.study.base),
                   "seeds": self.study.seeds, "overrides": self.study.overrides, "variants": self.study.variants,
+                  "variant_order": self.study.variant_order or list(self.study.variants),
                   "command": self.command, "commands": commands, "description": self.study.description}
         (self.dir / "study.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
 

@@ -41,6 +41,8 @@ class Study:
     variants: dict[str, dict[str, Any]]  # name -> overrides, in the file's order
     overrides: dict[str, Any] = field(default_factory=dict)  # applied to every variant (file's, then the caller's)
     description: str = ""
+    # every variant of the file, in its order, also when --variants narrowed ``variants`` (a report's row order)
+    variant_order: list[str] = field(default_factory=list)
 
     def runs(self) -> list[tuple[str, int]]:
         """Every (variant, seed), seed-major: a study stopped part-way has every variant of its first seeds."""
@@ -110,7 +112,8 @@ def load_study(path: str | Path, overrides: Mapping[str, Any] | None = None, *, 
         raise ConfigError(f"overrides: must be a mapping of overrides (got {file_overrides!r})")
     study = Study(name=str(raw.get("study") or path.stem), path=path, base=base,
                   seeds=_seeds(raw.get("seeds", [0]), "seeds"), variants=parsed,
-                  overrides=merge_config(file_overrides, overrides or {}), description=str(raw.get("description", "")))
+                  overrides=merge_config(file_overrides, overrides or {}), description=str(raw.get("description", "")),
+                  variant_order=list(parsed))
     if seeds is not None:
         study.seeds = _seeds(list(seeds), "--seeds")
     if variants:

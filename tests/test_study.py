@@ -221,22 +221,26 @@ def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path)
 def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
     """A study folder filled one variant at a time (--variants, --seeds) holds runs from several commands:
     study.yaml keeps every command, oldest first and once each, and the report lists them all, not the last one
-    alone (a record from before the list shows its one command)."""
+    alone (a record from before the list shows its one command); its rows keep the study file's order."""
     from fedssl_study.report import study_commands
     from fedssl_study.runner import StudyRunner
 
-    study = load_study(write(tmp_path / "s.yaml", {
+    path = write(tmp_path / "s.yaml", {
         "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0],
-        "overrides": {"data.dataset": "synthetic"}, "variants": {"FedBYOL": {}}}))
+        "overrides": {"data.dataset": "synthetic"}, "variants": {"A": {}, "B": {"train.lr": 0.01}}})
     out = tmp_path / "out"
-    for command in ("fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B",
-                    "fedssl-study run s.yaml --variants B"):
-        StudyRunner(study, out, launcher=None, command=command).write_study_record()
+    for command, only in (("fedssl-study run s.yaml --variants A", "A"), ("fedssl-study run s.yaml --variants B", "B"),
+                          ("fedssl-study run s.yaml --variants B", "B")):
+        StudyRunner(load_study(path, variants=[only]), out, launcher=None, command=command).write_study_record()
     record = yaml.safe_load((out / "study.yaml").read_text())
     assert record["commands"] == ["fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B"]
     assert record["command"] == "fedssl-study run s.yaml --variants B"
+    assert list(record["variants"]) == ["B"] and record["variant_order"] == ["A", "B"]
     assert study_commands({"command": "fedssl-study run old.yaml"}) == ["fedssl-study run old.yaml"]
-    fake_run(out / "runs" / "fedbyol-seed0", "FedBYOL", 0, 0.41, 0.3, 0.33)
+    fake_run(out / "runs" / "b-seed0", "B", 0, 0.41, 0.3, 0.33)
+    fake_run(out / "runs" / "a-seed0", "A", 0, 0.40, 0.3, 0.33)
+    # the rows keep the file's order, not the order of the last command's variants
+    assert study_runs(out)[1] == ["A", "B"]
     from fedssl_study.report import report_study
     text = report_study(out).read_text()
     assert "Commands, in the order they ran into this folder:\n\n- `fedssl-study run s.yaml --variants A`\n" \
