@@ -405,6 +405,25 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
 
 
 # ---------------------------------------------------------------------------------------------- plots
+MAX_LEGEND_INSIDE = 10  # more curves than this and the legend would cover them: it goes beside the axes
+MAX_VERTICAL_BARS = 20  # more rows than this and the bar chart turns horizontal, one readable label per line
+
+
+def place_legend(fig: Any, ax: Any) -> None:
+    """The legend inside the axes for a few curves; beside them, in as many columns of at most 30 entries as it
+    takes, for many (a sweep), with the figure widened so the axes keep their size."""
+    handles, _ = ax.get_legend_handles_labels()
+    if len(handles) <= MAX_LEGEND_INSIDE:
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        return
+    columns = -(-len(handles) // 30)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width + 3.2 * columns, max(height, 0.16 * min(len(handles), 30) + 1.0))
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=columns, borderaxespad=0.0)
+    fig.tight_layout()
+
+
 def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
     """curves.png (kNN per round, mean and range over seeds, every non-reference row) and scores.png (final linear
     probe per row, mean ± std); nothing when no run has a score to draw."""
@@ -437,7 +456,9 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
             continue
         xs = sorted(curves)
         mean = [statistics.mean(curves[x]) for x in xs]
-        line, = ax.plot(xs, mean, marker="o", markersize=3, label=row.label)
+        # matplotlib's colour cycle has 10 colours: past those, a new line style tells the curves apart
+        style = ("-", "--", "-.", ":")[drawn // 10 % 4]
+        line, = ax.plot(xs, mean, marker="o", markersize=3, linestyle=style, label=row.label)
         if any(len(curves[x]) > 1 for x in xs):
             ax.fill_between(xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], alpha=0.15,
                             color=line.get_color())
@@ -455,25 +476,34 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
         ax.set_ylabel("kNN accuracy (%)")
         ax.set_title("kNN accuracy per round (mean over seeds; band: their range)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        fig.savefig(out_dir / "curves.png", dpi=120)
+        place_legend(fig, ax)
+        fig.savefig(out_dir / "curves.png", dpi=120, bbox_inches="tight")
         written.append(out_dir / "curves.png")
     plt.close(fig)
     scored = [(r, mean_std(r.values("linear_probe_acc"))) for r in rows]
     scored = [(r, m, s) for r, (m, s) in scored if m is not None]
     if scored:
-        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(scored) + 2), 4.5))
         colors = ["0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
                   for r, _, _ in scored]
-        ax.bar(range(len(scored)), [m for _, m, _ in scored], yerr=[s or 0.0 for _, _, s in scored], capsize=3,
-               color=colors)
-        ax.set_xticks(range(len(scored)), [r.label for r, _, _ in scored], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("linear probe accuracy (%)")
+        means, errors = [m for _, m, _ in scored], [s or 0.0 for _, _, s in scored]
+        labels = [r.label for r, _, _ in scored]
+        low = min(m - e for m, e in zip(means, errors))
+        if len(scored) <= MAX_VERTICAL_BARS:
+            fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(scored) + 2), 4.5))
+            ax.bar(range(len(scored)), means, yerr=errors, capsize=3, color=colors)
+            ax.set_xticks(range(len(scored)), labels, rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel("linear probe accuracy (%)")
+            ax.set_ylim(max(0.0, low - 5), None)
+            ax.grid(axis="y", alpha=0.3)
+        else:  # a sweep: one bar per line, top to bottom in the table's order, so every label stays readable
+            fig, ax = plt.subplots(figsize=(9, 0.22 * len(scored) + 1.5))
+            ax.barh(range(len(scored)), means, xerr=errors, capsize=2, color=colors)
+            ax.set_yticks(range(len(scored)), labels, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel("linear probe accuracy (%)")
+            ax.set_xlim(max(0.0, low - 5), None)
+            ax.grid(axis="x", alpha=0.3)
         ax.set_title("final linear probe (mean ± std over seeds)")
-        low = min(m - (s or 0.0) for _, m, s in scored)
-        ax.set_ylim(max(0.0, low - 5), None)
-        ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         fig.savefig(out_dir / "scores.png", dpi=120)
         written.append(out_dir / "scores.png")

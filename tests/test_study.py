@@ -372,3 +372,26 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     resolved = yaml.safe_load((out / "runs" / "fedema-seed1" / "config.yaml").read_text())
     assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 1 and resolved["rounds"] == 3
     assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
+
+
+def test_legend_stays_inside_for_few_curves_and_goes_beside_the_axes_for_a_sweep():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedssl_study.report import MAX_LEGEND_INSIDE, place_legend
+
+    for curves, outside in ((3, False), (MAX_LEGEND_INSIDE + 1, True), (46, True)):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for i in range(curves):
+            ax.plot([1, 2], [i, i + 1], label=f"cell {i}")
+        place_legend(fig, ax)
+        legend = ax.get_legend()
+        assert len(legend.get_texts()) == curves
+        widened = bool(fig.get_size_inches()[0] > 8)
+        assert widened is outside
+        if outside:  # anchored right of the axes (x > 1 in axes coordinates), 30 entries per column at most
+            assert legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 > 1.0
+            assert legend._ncols == -(-curves // 30)
+        plt.close(fig)
