@@ -407,19 +407,21 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
 # ---------------------------------------------------------------------------------------------- plots
 MAX_LEGEND_INSIDE = 10  # more curves than this and the legend would cover them: it goes beside the axes
 MAX_VERTICAL_BARS = 20  # more rows than this and the bar chart turns horizontal, one readable label per line
+LEGEND_ENTRIES_PER_COLUMN = 30  # a legend beside the axes wraps into another column past this many entries
 
 
 def place_legend(fig: Any, ax: Any) -> None:
-    """The legend inside the axes for a few curves; beside them, in as many columns of at most 30 entries as it
-    takes, for many (a sweep), with the figure widened so the axes keep their size."""
+    """The legend inside the axes for a few curves; beside them, in as many columns of at most
+    LEGEND_ENTRIES_PER_COLUMN entries as it takes, for many (a sweep), with the figure widened so the axes keep
+    their size."""
     handles, _ = ax.get_legend_handles_labels()
     if len(handles) <= MAX_LEGEND_INSIDE:
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         return
-    columns = -(-len(handles) // 30)
+    columns = -(-len(handles) // LEGEND_ENTRIES_PER_COLUMN)
     width, height = fig.get_size_inches()
-    fig.set_size_inches(width + 3.2 * columns, max(height, 0.16 * min(len(handles), 30) + 1.0))
+    fig.set_size_inches(width + 3.2 * columns, max(height, 0.16 * min(len(handles), LEGEND_ENTRIES_PER_COLUMN) + 1.0))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=columns, borderaxespad=0.0)
     fig.tight_layout()
 
@@ -434,6 +436,7 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
 
     written = []
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    colours_in_cycle = len(plt.rcParams["axes.prop_cycle"])
     drawn = 0
     for row in rows:
         if row.kind == "random init":
@@ -456,8 +459,8 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
             continue
         xs = sorted(curves)
         mean = [statistics.mean(curves[x]) for x in xs]
-        # matplotlib's colour cycle has 10 colours: past those, a new line style tells the curves apart
-        style = ("-", "--", "-.", ":")[drawn // 10 % 4]
+        # past the colour cycle's last colour, a new line style tells the curves apart
+        style = ("-", "--", "-.", ":")[drawn // colours_in_cycle % 4]
         line, = ax.plot(xs, mean, marker="o", markersize=3, linestyle=style, label=row.label)
         if any(len(curves[x]) > 1 for x in xs):
             ax.fill_between(xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], alpha=0.15,
