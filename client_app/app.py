@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .timeline import timeline_metrics  # first: it marks when the app's own imports began
+from . import placement
+
+# Before anything can initialise CUDA in this process (CUDA reads CUDA_VISIBLE_DEVICES once): a simulated client that
+# Ray gave 0 GPUs sees none; on a GPU machine it gets them back (client_app/placement.py, docs/running.md).
+RAY_GPU_MASK_REMOVED = placement.unhide_gpus_hidden_by_ray()
 
 import numpy as np
 import torch
@@ -28,13 +33,25 @@ APP_IMPORTED_AT = time.time()
 app = ClientApp()
 
 
-CLIENT_INFO_RECORD = "client-info"  # where a round ran: host, and in a simulation the Ray node
+CLIENT_INFO_RECORD = "client-info"  # where a round ran: host (in a simulation the Ray node) and device
 
 
-def where_this_runs() -> ConfigRecord:
+def client_placement(requested: str) -> placement.Placement:
+    """Where this client trains for ``train.device`` = ``requested`` (client_app/placement.py); raises
+    ``DevicePlacementError`` naming the cause when ``cuda`` is asked and no GPU is usable: never a silent CPU run."""
+    mask = "" if RAY_GPU_MASK_REMOVED else os.environ.get("CUDA_VISIBLE_DEVICES")  # as the process was started
+    return placement.decide_client_device(
+        requested, cuda_visible_devices=mask, in_ray_worker=placement.in_ray_worker(),
+        gpus_on_machine=placement.physical_gpu_count(), cuda_available=torch.cuda.is_available(),
+        keep_ray_mask=placement.keeps_ray_gpu_mask())
+
+
+def where_this_runs(where: placement.Placement) -> ConfigRecord:
     """The host of this ClientApp and, inside a simulation's Ray worker, the Ray node's id and IP address (on a Ray
-    cluster of several machines: which one trained this client's round), for metrics.jsonl."""
-    info = {"host": platform.node()}
+    cluster of several machines: which one trained this client's round); the device it trained on, why, and the
+    NVIDIA GPUs of its machine (a CPU round on a GPU machine shows), for metrics.jsonl."""
+    info = {"host": platform.node(), "device": placement.device_label(where.device), "device-reason": where.reason,
+            "gpus-on-machine": placement.physical_gpu_count()}
     if in_simulation():
         try:
             import ray
@@ -144,6 +161,7 @@ class RoundInputs:
     images: np.ndarray  # this client's training images
     sent_at: float  # when the server created the message (its clock)
     started_at: float  # when this handler began
+    device_placement: placement.Placement  # where this client trains (train.device, decided by client_placement)
 
     def timeline(self) -> dict[str, float]:
         """The reply's ``t.*`` metrics: where this message's time went before and in this process."""
@@ -160,18 +178,20 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     refuse_stopped_run(msg, context)
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
+    where_to_train = client_placement(cfg.train.device)  # before the data: a client that cannot train fails at once
     pid, _ = _partition(context)
     data_path = str(context.node_config.get("data-path", "")) or None
     scope = str(config.get("data-scope", "partition"))
     images = local_images(cfg, pid, data_path, scope)
-    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at)
+    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at,
+                    where_to_train)
     root = stop_marker_root(msg, context)  # checked before every local epoch too (tasks.local_training)
     set_stop_check((lambda: run_stopped(root)) if root is not None else None)
     where = ("the union of all partitions of " if scope == "union" else "its partition of ") + \
         (cfg.data.path or cfg.data.dataset)
     # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.
-    r.log(f"run {context.run_id} on host {platform.node()}: {len(images)} images from "
-          f"{data_path or where}; "
+    r.log(f"run {context.run_id} on host {platform.node()}, device {placement.device_label(where_to_train.device)} "
+          f"({where_to_train.reason}): {len(images)} images from {data_path or where}; "
           f"{state_location(config, context)}")
     return r
 
@@ -218,7 +238,7 @@ def train(msg: Message, context: Context) -> Message:
         elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
     reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs()})
+                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -237,7 +257,7 @@ def train_similarity(msg: Message, context: Context) -> Message:
     )
     reply = RecordDict({SIMILARITY_RECORD: to_array_record(result.payload),
                         "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()}),
-                        CLIENT_INFO_RECORD: where_this_runs()})
+                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -258,7 +278,7 @@ def train_kernel(msg: Message, context: Context) -> Message:
         if isinstance(value, (bool, int, float)):
             metrics[f"align.{key}"] = float(value)
     reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs()})
+                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -271,6 +291,7 @@ def query_kernel(msg: Message, context: Context) -> Message:
     pid, _ = _partition(context)
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
+    client_placement(cfg.train.device)  # the kernel's forward runs on train.device: a GPU that is not there is named
     payload, norm = initial_kernel(cfg, public_images(cfg), load_client_state(msg, context, pid), partition_id=pid,
                                    rad_digest=str(config["rad-digest"]), options=cfg.strategy.options)
     return Message(RecordDict({KERNEL_RECORD: to_array_record(payload),
@@ -311,6 +332,6 @@ def train_layerwise(msg: Message, context: Context) -> Message:
         elif isinstance(value, float):
             metrics[f"lw.{key}"] = value
     reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs()})
+                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)

@@ -166,20 +166,26 @@ def run_main(argv: list[str] | None = None) -> int:
                   "the YAML settings (train.lr, strategy.options.mu, ...) and config, output-dir, resume",
                   file=sys.stderr)
             return 2
+    num_clients = None  # a resumed run's: not known here
     if not given.get("resume"):  # a resumed run uses its own config: nothing more to check here
         from server_app.experiment import load_experiment
 
         cwd = Path.cwd()
         try:
             os.chdir(app_dir)  # relative config paths resolve as the ServerApp resolves them
-            load_experiment({k: v for k, v in given.items() if k != "output-dir"})
+            cfg, _ = load_experiment({k: v for k, v in given.items() if k != "output-dir"})
+            num_clients = cfg.federation.num_clients
         except ConfigError as exc:
             print(f"fedssl-run: {exc}", file=sys.stderr)
             return 2
         finally:
             os.chdir(cwd)
-    from .launcher import flwr_cli
+    from .launcher import flwr_cli, flwr_run_args_with_gpu_share
 
+    args, share = flwr_run_args_with_gpu_share(args, num_clients)
+    if share:
+        print(f"fedssl-run: this machine has NVIDIA GPUs: the local simulation's clients get {share} (set "
+              "--federation-config \"client-resources-num-gpus=F\" to choose another share)", file=sys.stderr)
     os.execvp(flwr_cli(), [flwr_cli(), "run", *args])
     return 0  # not reached
 

@@ -13,18 +13,26 @@ Two ways to reach a federation:
 
 ``submit`` returns the run id (``flwr run --format json``); ``status`` reads ``flwr ls --run-id`` (``None`` while
 running, else Flower's final status); ``stop`` is ``flwr stop``.
+
+On a machine with NVIDIA GPUs, a local simulation is given ``client-resources-num-gpus=<gpu_share>`` unless the caller
+set it (``with_gpu_share``): Flower asks Ray for 0 GPUs per client by default, and Ray then hides the GPUs from the
+clients. With a share, Ray schedules the clients onto the GPUs and tells each which one is its own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from client_app.placement import physical_gpu_count
 
 APP_DIR = Path(__file__).resolve().parents[1]
 
@@ -71,6 +79,101 @@ def kill_processes_with_env(key: str, value: str, grace_s: float = 5.0) -> None:
         pids = [p for p in pids if Path(f"/proc/{p}").exists()]
         if not pids:
             return
+
+
+# ------------------------------------------------------------------------------------------- clients on the GPUs
+# At most this many clients train on one GPU at once. The studies' models are small: one client leaves most of a GPU
+# idle, and a few processes side by side fill it; every client process holds its own CUDA context and model, and Ray's
+# fraction does not cap GPU memory, so the count stays small. A caller who knows better sets the share itself.
+MAX_CLIENTS_PER_GPU = 4
+GPU_SHARE_KEY = "client-resources-num-gpus"
+
+
+def gpus_for_local_clients(environ: dict[str, str] | None = None) -> int:
+    """The NVIDIA GPUs of this machine, where a local simulation runs its clients; 0 when ``RAY_ADDRESS`` makes the
+    simulation join a Ray cluster (its clients run on the cluster's nodes, whose GPUs are not counted here: there
+    the caller sets the share, see docs/deployment.md)."""
+    return 0 if (os.environ if environ is None else environ).get("RAY_ADDRESS") else physical_gpu_count()
+
+
+def gpu_share(num_clients: int | None, gpus: int, max_clients_per_gpu: int = MAX_CLIENTS_PER_GPU) -> float:
+    """The GPU fraction each simulated client asks Ray for: 1/k with k = min(max_clients_per_gpu, ceil(num_clients /
+    gpus)) clients per GPU, so that the federation's clients spread over the GPUs and no more than
+    ``max_clients_per_gpu`` share one (``num_clients`` None: not known, ``max_clients_per_gpu``). A whole fraction
+    of one GPU (1/k, not gpus/num_clients): Ray never splits a client over two GPUs, so 2 GPUs at 2/3 would run
+    only two clients. Rounded to Ray's resource precision (4 decimals), never above 1/k."""
+    per_gpu = max_clients_per_gpu if not num_clients else min(max_clients_per_gpu, math.ceil(num_clients / gpus))
+    per_gpu = max(1, per_gpu)
+    return math.floor(10_000 / per_gpu) / 10_000
+
+
+def num_supernodes_in(federation_config: str | None) -> int | None:
+    """``num-supernodes`` of a ``--federation-config`` string, or None."""
+    found = re.search(r"(?:^|\s)num-supernodes\s*=\s*(\d+)", federation_config or "")
+    return int(found.group(1)) if found else None
+
+
+def with_gpu_share(federation_config: str | None, gpus: int, num_clients: int | None = None) -> str | None:
+    """A local simulation's ``--federation-config`` with ``client-resources-num-gpus=<gpu_share>`` added when the
+    machine has ``gpus`` NVIDIA GPUs and the caller gave no share of its own; unchanged without GPUs. The clients'
+    count: ``num_clients``, else the config's ``num-supernodes``."""
+    if gpus <= 0 or GPU_SHARE_KEY in (federation_config or ""):
+        return federation_config
+    share = f"{GPU_SHARE_KEY}={gpu_share(num_clients or num_supernodes_in(federation_config), gpus):g}"
+    return f"{federation_config} {share}" if federation_config else share
+
+
+FLWR_RUN_VALUE_OPTIONS = ("--run-config", "-c", "--federation-config", "--federation", "--format")
+
+
+def flwr_run_connection(args: list[str]) -> str | None:
+    """The SuperLink connection named in ``flwr run`` arguments (the positional after the app), or None."""
+    positional, takes_value = [], False
+    for arg in args:
+        if takes_value:
+            takes_value = False
+        elif arg in FLWR_RUN_VALUE_OPTIONS:
+            takes_value = True
+        elif not arg.startswith("-"):
+            positional.append(arg)
+    return positional[1] if len(positional) > 1 else None
+
+
+def federation_configs_in(args: list[str]) -> list[str]:
+    """The values of every ``--federation-config`` of ``flwr run`` arguments (Flower merges them)."""
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--federation-config"]
+    return values + [arg.split("=", 1)[1] for arg in args if arg.startswith("--federation-config=")]
+
+
+def is_local_simulation(connection: str | None) -> bool:
+    """True when ``flwr run`` with this connection (None: the default one) runs on a local SuperLink (address
+    ``:local:`` or ``:local-in-memory:`` in ``$FLWR_HOME/config.toml``), a simulation whose clients run on this
+    machine. Without that file, ``flwr run`` writes its default, whose default connection is local. Read here
+    without Flower's reader, which writes that file."""
+    import tomllib
+
+    from flwr.supercore.utils import get_flwr_home
+
+    path = get_flwr_home() / "config.toml"
+    if not path.is_file():
+        return connection in (None, "local")
+    try:
+        superlinks = tomllib.loads(path.read_text()).get("superlink", {})
+        entry = superlinks.get(connection or superlinks.get("default", ""), {})
+        return isinstance(entry, dict) and str(entry.get("address", "")).startswith(":local")
+    except (OSError, ValueError):  # an unreadable config: flwr run will say so; add nothing
+        return False
+
+
+def flwr_run_args_with_gpu_share(args: list[str], num_clients: int | None) -> tuple[list[str], str | None]:
+    """``fedssl-run``'s ``flwr run`` arguments, with ``--federation-config client-resources-num-gpus=<share>`` added
+    for a local simulation on a GPU machine whose caller set no share; and that setting (None: nothing added)."""
+    given = " ".join(federation_configs_in(args))
+    gpus = gpus_for_local_clients()
+    if gpus <= 0 or GPU_SHARE_KEY in given or not is_local_simulation(flwr_run_connection(args)):
+        return args, None
+    share = with_gpu_share(None, gpus, num_supernodes_in(given) or num_clients)
+    return [*args, "--federation-config", share], share
 
 
 class LaunchError(RuntimeError):
@@ -122,8 +225,11 @@ class Launcher:
             federation.append(f"num-supernodes={int(num_supernodes)}")
         if self.federation_config:
             federation.append(self.federation_config)
-        if federation:
-            args += ["--federation-config", " ".join(federation)]
+        federation_config = " ".join(federation) or None
+        if self.simulation:  # the clients run on this machine: put them on its GPUs, if it has any
+            federation_config = with_gpu_share(federation_config, gpus_for_local_clients(self.env), num_supernodes)
+        if federation_config:
+            args += ["--federation-config", federation_config]
         proc = self._call(args, timeout=300.0)
         out = (proc.stdout or "").strip()
         try:
@@ -186,12 +292,15 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
 def flwr_run(run_config: str, flwr_home: Path, timeout_s: float = 600, federation_config: str | None = None,
              app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
     """``flwr run <app> --stream`` on a private local SuperLink (``flwr_home``); returns the finished process (output
-    captured) after stopping every process that SuperLink started, so no daemon outlives the call."""
+    captured) after stopping every process that SuperLink started, so no daemon outlives the call. On a GPU machine
+    the clients get a GPU share (``with_gpu_share``) unless ``federation_config`` sets one."""
     cmd = [flwr_cli(), "run", str(app_dir), "--stream", "--run-config", run_config]
+    env = flwr_env(flwr_home)
+    federation_config = with_gpu_share(federation_config, gpus_for_local_clients(env))
     if federation_config:
         cmd += ["--federation-config", federation_config]
     try:
-        return subprocess.run(cmd, cwd=app_dir, env=flwr_env(flwr_home), capture_output=True, text=True,
+        return subprocess.run(cmd, cwd=app_dir, env=env, capture_output=True, text=True,
                               timeout=timeout_s, stdin=subprocess.DEVNULL)
     finally:
         kill_processes_with_env("FLWR_HOME", str(flwr_home))

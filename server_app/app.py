@@ -33,7 +33,7 @@ from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for
 from .paths import allowed_roots, confine
 from .provenance import provenance
 from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
-from .results import ResultsWriter, unused_output_dir
+from .results import ResultsWriter, client_device_summary, devices_note, unused_output_dir
 
 app = ServerApp()
 
@@ -467,7 +467,8 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
         say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
             f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
-            f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok{failed_note(record)}")
+            f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok{failed_note(record)}"
+            f"{devices_note(record['clients'])}")
         return MetricRecord({"knn_acc": float(record["knn_acc"])}) if record.get("knn_acc") is not None else None
 
     final = strategy.run_rounds(grid, initial, first_round=first_round, num_rounds=cfg.rounds,
@@ -504,6 +505,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         **strategy.summary_extras(by_model),
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
+        **client_device_summary(writer.records),  # where the clients trained: a CPU run on a GPU machine shows
         # the whole run: the time up to the checkpoint a resume started from, and this process's
         "run_s": elapsed_before + this_process_s,
         "run_s_this_process": this_process_s,

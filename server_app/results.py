@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 
 def _json_safe(value: Any) -> Any:
@@ -31,6 +31,42 @@ def _json_safe(value: Any) -> Any:
 
 
 RUN_FILES = ("metrics.jsonl", "progress.log", "summary.json", "model.pt")
+
+
+# ---------------------------------------------------------------------------------------------- clients' devices
+def device_counts(clients: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Client records (metrics.jsonl's per-client entries) per ``device`` they trained on, by device name."""
+    counts: dict[str, int] = {}
+    for client in clients:
+        if client.get("device"):
+            counts[str(client["device"])] = counts.get(str(client["device"]), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def trained_on_cpu_beside_gpu(client: dict[str, Any]) -> bool:
+    """The client trained on the CPU of a machine with an NVIDIA GPU (its ``device_reason`` says why)."""
+    return client.get("device") == "cpu" and int(client.get("gpus_on_machine") or 0) > 0
+
+
+def client_device_summary(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``client_devices`` (client rounds per device over the run's rounds) and ``cpu_despite_gpu``
+    (true when any client round trained on the CPU of a machine with a GPU)."""
+    clients = [client for record in records for client in record.get("clients") or []]
+    return {"client_devices": device_counts(clients),
+            "cpu_despite_gpu": any(trained_on_cpu_beside_gpu(client) for client in clients)}
+
+
+def devices_note(clients: Iterable[dict[str, Any]]) -> str:
+    """" | on cpu" (or " | on cuda:0 (NVIDIA H100 80GB HBM3) x3, cpu x1") for a round's progress line, with a
+    warning when a client trained on the CPU of a machine with a GPU; nothing for clients that did not say."""
+    clients = list(clients)
+    counts = device_counts(clients)
+    if not counts:
+        return ""
+    note = " | on " + ", ".join(device if len(counts) == 1 else f"{device} x{n}" for device, n in counts.items())
+    if any(trained_on_cpu_beside_gpu(client) for client in clients):
+        note += " (the CPU of a machine with a GPU: device_reason in metrics.jsonl says why)"
+    return note
 
 
 def unused_output_dir(path: Path) -> Path:

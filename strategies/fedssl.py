@@ -404,9 +404,11 @@ class FedSSL(Strategy):
                     record[key[len(prefix):]] = m[key]
             if key.startswith("precision."):  # what the local steps ran in: fp32, bf16 or fp16
                 record["precision"] = key[len("precision."):]
-        where = reply.content.config_records.get("client-info")  # the host (and Ray node) that ran the round
+        # Where the round ran: the host (and Ray node), the device it trained on and why, the machine's GPU count.
+        where = reply.content.config_records.get("client-info")
         if where is not None:
-            record.update({key.replace("-", "_"): str(where[key]) for key in where.keys()})
+            record.update({key.replace("-", "_"): where[key] if isinstance(where[key], int) else str(where[key])
+                           for key in where.keys()})
         timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
         if timeline:
             record["timeline_s"] = timeline

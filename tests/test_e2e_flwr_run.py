@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from client_app.placement import physical_gpu_count
 from flwr_harness import REPO, flwr_run, read_jsonl
 from conftest import skip_unless_required
 
@@ -28,6 +29,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     assert (out / "summary.json").is_file(), log[-4000:]
 
     rounds = read_jsonl(out / "metrics.jsonl")
+    gpus = physical_gpu_count()
     assert [r["round"] for r in rounds] == [1, 2]
     assert rounds[1]["train_loss"] < rounds[0]["train_loss"]  # training works: the loss falls
     for r in rounds:
@@ -37,6 +39,9 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
         assert sorted(c["id"] for c in r["clients"]) == [0, 1]
         for c in r["clients"]:  # the client's timeline, in seconds after the server created its message
             assert c["precision"] in ("fp32", "bf16")  # what its steps ran in (a CPU: no fp16)
+            # where it trained: the CPU here; on a GPU machine the GPU that flwr_run's share made Ray assign it
+            assert c["gpus_on_machine"] == gpus and c["device_reason"], c
+            assert (c["device"].startswith("cuda:") if gpus else c["device"] == "cpu"), c
             t = c["timeline_s"]
             assert t["import_start"] <= t["app_imported"]
             assert 0 <= t["handler_start"] <= t["reply_ready"] <= t["received"]
@@ -51,6 +56,9 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     assert summary["knn_gain_over_random"] == pytest.approx(summary["knn_acc"] - rand["knn_acc"])
     assert "gain over random init: linear probe" in (out / "progress.log").read_text().splitlines()[-1]
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
+    assert summary["cpu_despite_gpu"] is False and sum(summary["client_devices"].values()) == 4  # 2 clients x 2 rounds
+    assert (all(d.startswith("cuda:") for d in summary["client_devices"]) if gpus
+            else summary["client_devices"] == {"cpu": 4})
     # Resources per client and run: each client's per-step FLOPs are those of the run's model counted here
     # independently, and the run's FLOPs are per-sample FLOPs x images trained, summed over clients and rounds.
     res = summary["resources"]
@@ -69,6 +77,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     assert (out / "model.pt").stat().st_size > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round 2/2" in (out / "progress.log").read_text()
+    assert gpus or "2 clients ok | on cpu\n" in (out / "progress.log").read_text()  # the round lines say where
 
     from conftest import cifar10_npz
 
