@@ -1,6 +1,6 @@
 """``fedssl-campaign``: the whole GPU programme as one command, run from a bundle on a machine without an index.
 
-    python3 -m fedssl_gpu.campaign run configs/campaign/gpu.yaml --bundle ../gpu-bundle --out /tmp/campaign \\
+    python3 -m fedssl_gpu.campaign run fedssl_gpu/plans/gpu.yaml --bundle ../gpu-bundle --out /tmp/campaign \\
         --budget-s 720
 
 One call:
@@ -19,7 +19,8 @@ One call:
 
 Calling it again with the same ``--out`` continues: finished stages are skipped, a cut paper-shape study resumes.
 Exit status: 0 every requested stage finished; 3 some were skipped or cut for time (call again); 1 a stage failed;
-2 a bad plan, bundle or device (one line naming it).
+2 a bad plan, bundle or device (one line naming it); 130 stopped by Ctrl-C or SIGTERM (the state is written: the next
+call continues).
 
 The stages:
 
@@ -64,7 +65,7 @@ class CampaignError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------- plan
 @dataclass
 class Plan:
-    """A campaign plan file (``configs/campaign/*.yaml``), checked before anything runs."""
+    """A campaign plan file (``fedssl_gpu/plans/*.yaml``), checked before anything runs."""
 
     path: Path
     name: str
@@ -437,7 +438,7 @@ def stage_correctness(ctx: Context, record: dict) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     status = "done"
     results = record.setdefault("results", {})
-    if ctx.plan.pytest_args and "pytest" not in results:
+    if ctx.plan.pytest_args and not (results.get("pytest") or {}).get("ok"):
         xml = folder / "pytest.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ctx.plan.pytest_args,
                "--junitxml", str(xml)]
@@ -785,12 +786,16 @@ def run(args: argparse.Namespace, command: str) -> int:
     return exit_code
 
 
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedssl-campaign", description="The GPU programme from an offline bundle: "
                                  "install, check the device, run the plan's stages within a time budget.")
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="install from the bundle and run the plan's stages")
-    r.add_argument("plan", help="the campaign plan (configs/campaign/*.yaml)")
+    r.add_argument("plan", help="the campaign plan (fedssl_gpu/plans/*.yaml)")
     r.add_argument("--bundle", required=True, help="the fedssl-bundle folder (its part-* folders)")
     r.add_argument("--out", required=True, help="the results folder (the same one continues a campaign)")
     r.add_argument("--budget-s", type=float, required=True, help="seconds this call may take")
@@ -811,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     # SIGTERM (a lease ending, a test) stops the campaign as Ctrl-C does: its deployments and study are stopped and
     # its state written, so the next call continues.
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         if args.command == "publish":
             print(f"written: {publish(Path(args.out), Path(args.to))}")

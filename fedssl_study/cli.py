@@ -7,7 +7,9 @@ arguments (one line naming the key, before any run starts), 130 when interrupted
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,8 +188,55 @@ def run_main(argv: list[str] | None = None) -> int:
     if share:
         print(f"fedssl-run: this machine has NVIDIA GPUs: the local simulation's clients get {share} (set "
               "--federation-config \"client-resources-num-gpus=F\" to choose another share)", file=sys.stderr)
-    os.execvp(flwr_cli(), [flwr_cli(), "run", *args])
-    return 0  # not reached
+    return run_and_report_outcome([flwr_cli(), "run", *args], streamed="--stream" in args)
+
+
+# Flower prints this when the SuperLink has accepted a run (``flwr run``'s output, with or without --stream).
+STARTED_RUN = re.compile(r"Successfully started run (\d+)")
+
+
+def run_and_report_outcome(cmd: list[str], streamed: bool) -> int:
+    """Run ``flwr run`` with its output passed through, then exit as the run ended: ``flwr run --stream`` exits 0
+    whatever happened to the run, so its final status is asked of the SuperLink (``flwr ls --run-id``): 0 for
+    ``finished:completed``, 1 for any other end (failed, stopped), with one line saying so; without ``--stream`` the
+    run goes on after ``flwr run`` returns, and its exit status is Flower's."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    run_id = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        found = STARTED_RUN.search(line)
+        if found and run_id is None:
+            run_id = int(found.group(1))
+    code = proc.wait()
+    if code != 0 or not streamed or run_id is None:
+        return code
+    connection = [a for a in cmd[2:] if not a.startswith("-")]
+    status = run_status(cmd[0], run_id, connection[1] if len(connection) > 1 else None)
+    if status == "finished:completed":
+        return 0
+    print(f"fedssl-run: run {run_id} ended {status or 'with an unknown status'} (flwr ls --run-id {run_id}); "
+          "its progress.log says why", file=sys.stderr)
+    return 1
+
+
+def run_status(flwr: str, run_id: int, connection: str | None) -> str | None:
+    """Flower's final status of a run (``finished:completed``, ``finished:failed``, ...), None if it cannot say."""
+    import json
+
+    cmd = [flwr, "ls", *([connection] if connection else []), "--run-id", str(run_id), "--format", "json"]
+    for _ in range(10):  # the SuperLink records the end a moment after the stream closes
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+            runs = json.loads(out[out.index("{"):]).get("runs", [])
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            runs = []
+        status = next((str(r.get("status", "")) for r in runs if int(r.get("run-id", -1)) == run_id), "")
+        if status.startswith("finished"):
+            return status
+        time.sleep(1.0)
+    return None
 
 
 def report_main(argv: list[str] | None = None) -> int:

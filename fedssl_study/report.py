@@ -426,6 +426,49 @@ def place_legend(fig: Any, ax: Any) -> None:
     fig.tight_layout()
 
 
+def draw_scores(rows: list[Row]):
+    """The final linear probe per row: a bar at the mean over seeds with the std as its error bar, and a dot for
+    every seed's own value (the spread a mean hides). The accuracy axis starts at 0, so a gap between rows looks as
+    large as it is; None when no row has a score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = [(r, r.values("linear_probe_acc")) for r in rows]
+    scored = [(r, seeds, *mean_std(seeds)) for r, seeds in scored if seeds]
+    if not scored:
+        return None
+    colors = ["0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
+              for r, *_ in scored]
+    means, errors = [m for _, _, m, _ in scored], [s or 0.0 for _, _, _, s in scored]
+    labels = [r.label for r, *_ in scored]
+    top = max(max(seeds) for _, seeds, _, _ in scored)
+    vertical = len(scored) <= MAX_VERTICAL_BARS
+    if vertical:
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(scored) + 2), 4.5))
+        ax.bar(range(len(scored)), means, yerr=errors, capsize=3, color=colors)
+        ax.set_xticks(range(len(scored)), labels, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("linear probe accuracy (%)")
+        ax.set_ylim(0.0, max(top, max(m + e for m, e in zip(means, errors))) * 1.08)
+        ax.grid(axis="y", alpha=0.3)
+    else:  # a sweep: one bar per line, top to bottom in the table's order, so every label stays readable
+        fig, ax = plt.subplots(figsize=(9, 0.22 * len(scored) + 1.5))
+        ax.barh(range(len(scored)), means, xerr=errors, capsize=2, color=colors)
+        ax.set_yticks(range(len(scored)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("linear probe accuracy (%)")
+        ax.set_xlim(0.0, max(top, max(m + e for m, e in zip(means, errors))) * 1.08)
+        ax.grid(axis="x", alpha=0.3)
+    positions = [i for i, (_, seeds, _, _) in enumerate(scored) for _ in seeds]
+    values = [v for _, seeds, _, _ in scored for v in seeds]
+    xy = (positions, values) if vertical else (values, positions)
+    ax.scatter(*xy, s=10, color="black", zorder=3, label="one seed")  # the title says what the dots are
+    ax.set_title("final linear probe (bar: mean over seeds, error bar: std, dots: each seed)")
+    fig.tight_layout()
+    return fig
+
+
 def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
     """curves.png (kNN per round, mean and range over seeds, every non-reference row) and scores.png (final linear
     probe per row, mean ± std); nothing when no run has a score to draw."""
@@ -483,31 +526,8 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
         fig.savefig(out_dir / "curves.png", dpi=120, bbox_inches="tight")
         written.append(out_dir / "curves.png")
     plt.close(fig)
-    scored = [(r, mean_std(r.values("linear_probe_acc"))) for r in rows]
-    scored = [(r, m, s) for r, (m, s) in scored if m is not None]
-    if scored:
-        colors = ["0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
-                  for r, _, _ in scored]
-        means, errors = [m for _, m, _ in scored], [s or 0.0 for _, _, s in scored]
-        labels = [r.label for r, _, _ in scored]
-        low = min(m - e for m, e in zip(means, errors))
-        if len(scored) <= MAX_VERTICAL_BARS:
-            fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(scored) + 2), 4.5))
-            ax.bar(range(len(scored)), means, yerr=errors, capsize=3, color=colors)
-            ax.set_xticks(range(len(scored)), labels, rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel("linear probe accuracy (%)")
-            ax.set_ylim(max(0.0, low - 5), None)
-            ax.grid(axis="y", alpha=0.3)
-        else:  # a sweep: one bar per line, top to bottom in the table's order, so every label stays readable
-            fig, ax = plt.subplots(figsize=(9, 0.22 * len(scored) + 1.5))
-            ax.barh(range(len(scored)), means, xerr=errors, capsize=2, color=colors)
-            ax.set_yticks(range(len(scored)), labels, fontsize=7)
-            ax.invert_yaxis()
-            ax.set_xlabel("linear probe accuracy (%)")
-            ax.set_xlim(max(0.0, low - 5), None)
-            ax.grid(axis="x", alpha=0.3)
-        ax.set_title("final linear probe (mean ± std over seeds)")
-        fig.tight_layout()
+    fig = draw_scores(rows)
+    if fig is not None:
         fig.savefig(out_dir / "scores.png", dpi=120)
         written.append(out_dir / "scores.png")
         plt.close(fig)

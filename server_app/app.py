@@ -348,6 +348,9 @@ def main(grid: Grid, context: Context) -> None:
         writer = ResultsWriter(out_dir, resume_round=checkpoint.round, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(checkpoint.meta.get("config_file", ""))
+        for damaged in checkpoint.damaged:  # a newer checkpoint that did not load: its rounds run again
+            say(f"resume: a newer checkpoint is damaged and skipped ({damaged}); the rounds after round "
+                f"{checkpoint.round} run again")
         say(f"resuming {cfg.name!r} in {out_dir} after round {checkpoint.round} of {cfg.rounds} (checkpoint "
             f"{checkpoint.path.name}); the run's own config is used{ignored_on_resume(context.run_config, cfg)}")
     else:

@@ -23,7 +23,8 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -40,6 +41,8 @@ class Checkpoint:
     meta: dict[str, Any]
     global_arrays: dict[str, np.ndarray]
     strategy_arrays: dict[str, np.ndarray]
+    # Newer checkpoints that did not load (a truncated file, a disk that filled), newest first: "<folder>: <why>".
+    damaged: list[str] = field(default_factory=list)
 
     def store_snapshot(self, name: str) -> Path:
         return self.path / "stores" / name
@@ -123,15 +126,36 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+class CheckpointDamaged(FileNotFoundError):
+    """Every checkpoint of a run is damaged; the message names each one and what is wrong with it."""
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """One checkpoint folder, read whole (every array decompressed, so a truncated or corrupt file shows here)."""
+    meta = json.loads((path / "meta.json").read_text())
+    return Checkpoint(path, int(meta["round"]), meta, _load_npz(path / "global.npz"), _load_npz(path / "strategy.npz"))
+
+
 def load_latest_checkpoint(out_dir: Path) -> Checkpoint:
-    """The newest complete checkpoint of the run in ``out_dir``; FileNotFoundError naming the folder if none."""
+    """The newest checkpoint of the run in ``out_dir`` that loads; the newer ones that did not are listed in its
+    ``damaged`` (a truncated ``global.npz`` after a full disk, a copy cut short: the previous checkpoint,
+    ``checkpoint.keep`` >= 2, still holds the run). FileNotFoundError naming the folder if there is none,
+    CheckpointDamaged naming every damaged file if none loads."""
     found = complete_checkpoints(out_dir)
     if not found:
         raise FileNotFoundError(f"resume: {out_dir} holds no complete checkpoint (looked for "
                                 f"{Path(out_dir) / CHECKPOINTS / (PREFIX + '<round>')}/meta.json)")
-    path = found[-1]
-    meta = json.loads((path / "meta.json").read_text())
-    return Checkpoint(path, int(meta["round"]), meta, _load_npz(path / "global.npz"), _load_npz(path / "strategy.npz"))
+    damaged: list[str] = []
+    for path in reversed(found):
+        try:
+            checkpoint = load_checkpoint(path)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # json errors are ValueErrors
+            damaged.append(f"{path}: {type(exc).__name__}: {exc}")
+            continue
+        checkpoint.damaged = damaged
+        return checkpoint
+    raise CheckpointDamaged(f"resume: every checkpoint of {out_dir} is damaged, nothing to resume from: "
+                            + "; ".join(damaged))
 
 
 def restore_store(checkpoint: Checkpoint, name: str, folder: Path) -> None:

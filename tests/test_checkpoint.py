@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedssl_wire import DiskStateStore, RoundStateStore
-from server_app.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
+from server_app.checkpoint import CheckpointDamaged, complete_checkpoints, load_latest_checkpoint, save_checkpoint
 from server_app.results import ResultsWriter
 from strategies import get_strategy_class
 
@@ -39,6 +39,28 @@ def test_checkpoints_are_complete_or_absent_and_pruned(tmp_path):
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"resume: .* holds no complete checkpoint"):
         load_latest_checkpoint(tmp_path)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    for rnd in (1, 2):
+        save_checkpoint(tmp_path, rnd, {"config": {"name": "x"}}, {"w": np.full(64, rnd, np.float32)},
+                        {"key": np.arange(rnd)}, {}, keep=2)
+    newest = tmp_path / "checkpoints" / "round-000002" / "global.npz"
+    newest.write_bytes(newest.read_bytes()[:40])  # a copy cut short, a disk that filled
+    ckpt = load_latest_checkpoint(tmp_path)
+    assert ckpt.round == 1
+    np.testing.assert_array_equal(ckpt.global_arrays["w"], np.full(64, 1, np.float32))
+    assert len(ckpt.damaged) == 1 and str(tmp_path / "checkpoints" / "round-000002") in ckpt.damaged[0]
+    # A member whose bytes changed (its CRC no longer matches) is damage too, found when the arrays are read.
+    older = tmp_path / "checkpoints" / "round-000001" / "strategy.npz"
+    data = bytearray(older.read_bytes())
+    data[data.index(b"\x93NUMPY") + 130] ^= 0xFF
+    older.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged) as err:
+        load_latest_checkpoint(tmp_path)
+    message = str(err.value)
+    assert "every checkpoint" in message and "round-000002" in message and "round-000001" in message
+    assert isinstance(err.value, FileNotFoundError)  # the ServerApp's one-line error for a resume that cannot start
 
 
 def test_a_resumed_writer_keeps_the_rounds_up_to_the_checkpoint(tmp_path):

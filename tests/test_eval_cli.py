@@ -214,6 +214,18 @@ def test_cli_cuda_without_gpu_is_a_usage_error(capsys, checkpoint_path, data_pat
     assert code == 2 and out == "" and "no CUDA device" in err
 
 
+def test_cli_on_a_file_with_one_class_is_a_usage_error(capsys, checkpoint_path, tmp_path):
+    data = synthetic_dataset(num_train=40, num_test=20, num_classes=2, seed=1)
+    path = tmp_path / "one-class.npz"
+    np.savez(path, x_train=data.x_train, y_train=np.zeros(40, np.int64), x_test=data.x_test,
+             y_test=np.zeros(20, np.int64))
+    code, out, err = _run_cli(capsys, checkpoint_path, path, "--no-linear")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (f"fedssl-eval: error: data file {path}: its training labels hold 1 "
+                                            "class(es) (1 in the file); scoring an encoder needs labelled images of "
+                                            "at least 2")
+
+
 def test_cli_as_a_process_keeps_stdout_to_the_json_line(checkpoint_path, data_path):
     completed = subprocess.run(
         [sys.executable, "-m", "ssl_models.evaluation.cli", str(checkpoint_path), str(data_path), "--no-linear",

@@ -69,3 +69,25 @@ def test_fedssl_run_names_a_bad_run_config_key_before_flower_is_called(run_confi
     assert run_main([str(REPO), "--run-config", run_config, "--stream"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize(("status", "streamed", "expected"), [
+    ("finished:completed", True, 0), ("finished:failed", True, 1), ("finished:stopped", True, 1),
+    ("finished:failed", False, 0),  # without --stream the run goes on after flwr run returns: Flower's status
+])
+def test_fedssl_run_exits_as_the_run_ended(tmp_path, capsys, status, streamed, expected):
+    """`flwr run --stream` exits 0 whatever happened to the run; fedssl-run asks the SuperLink how it ended."""
+    from fedssl_study.cli import run_and_report_outcome
+
+    flwr = tmp_path / "flwr"
+    flwr.write_text("#!/bin/sh\n"
+                    'if [ "$1" = run ]; then echo "Successfully started run 4242"; echo "round 1/1 ..."; exit 0; fi\n'
+                    f"echo '{{\"success\": true, \"runs\": [{{\"run-id\": 4242, \"status\": \"{status}\"}}]}}'\n")
+    flwr.chmod(0o755)
+    args = [str(flwr), "run", ".", *(["--stream"] if streamed else [])]
+    assert run_and_report_outcome(args, streamed=streamed) == expected
+    out, err = capsys.readouterr()
+    assert "Successfully started run 4242" in out  # Flower's output passes through
+    if expected:
+        assert err.strip() == (f"fedssl-run: run 4242 ended {status} (flwr ls --run-id 4242); its progress.log "
+                               "says why")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import numpy as np
 import yaml
 
 from fedssl_study.launcher import processes_with_env
@@ -395,3 +396,26 @@ def test_legend_stays_inside_for_few_curves_and_goes_beside_the_axes_for_a_sweep
             assert legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 > 1.0
             assert legend._ncols == -(-curves // 30)
         plt.close(fig)
+
+
+@pytest.mark.parametrize("rows_count", [3, 25])  # bars, and a sweep's horizontal bars
+def test_the_score_chart_starts_at_zero_and_draws_every_seed(tmp_path, rows_count):
+    import matplotlib.pyplot as plt
+
+    from fedssl_study.report import Row, RunData, draw_scores
+
+    def run(seed: int, acc: float) -> RunData:
+        return RunData(tmp_path, "v", seed, {"linear_probe_acc": acc}, [])
+
+    rows = [Row(f"row {i}", [run(0, 0.40 + 0.001 * i), run(1, 0.42 + 0.001 * i), run(2, 0.44)])
+            for i in range(rows_count)]
+    fig = draw_scores(rows)
+    ax = fig.axes[0]
+    low, high = ax.get_ylim() if rows_count <= 20 else ax.get_xlim()
+    assert low == 0.0 and high >= 44.0  # 40-44 % drawn from 0: a two-point gap looks like one
+    dots = [c for c in ax.collections if c.get_label() == "one seed"][0].get_offsets()
+    values = dots[:, 1] if rows_count <= 20 else dots[:, 0]
+    assert len(dots) == 3 * rows_count
+    np.testing.assert_allclose(values[:3], [40.0, 42.0, 44.0])
+    plt.close(fig)
+    assert draw_scores([Row("no score", [RunData(tmp_path, "v", 0, {}, [])])]) is None

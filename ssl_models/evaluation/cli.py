@@ -315,6 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     x_test, y_test = _subsample_split(data.x_test, data.y_test, chosen["max_test"], chosen["test_subset_seed"])
     if len(x_train) == 0 or len(x_test) == 0:
         raise UsageError(f"data file {args.data} has an empty train or test split")
+    present = np.unique(np.asarray(y_train)).size
+    if data.num_classes < 2 or present < 2:  # kNN and the linear probe score a choice between classes
+        raise UsageError(f"data file {args.data}: its training labels hold {present} class(es) "
+                         f"({data.num_classes} in the file); scoring an encoder needs labelled images of at least 2")
     _progress(f"{len(x_train)} train / {len(x_test)} test images, {data.num_classes} classes")
     args.seed = chosen["seed"]  # the semi-supervised step uses the same seed
     protocol = {
