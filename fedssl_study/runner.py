@@ -273,7 +273,10 @@ class StudyRunner:
             lp, knn = summary.get("linear_probe_acc"), summary.get("knn_acc")
             scores = ", ".join(f"{name} {100 * v:.2f} %" for name, v in (("linear probe", lp), ("kNN", knn))
                                if v is not None)
-            self.say(f"{head}: done in {_clock(outcome.seconds)}: {scores}")
+            run_s = summary.get("run_s")  # the ServerApp's own time: the report's "run s"
+            inside = (f" (the run itself {_clock(float(run_s))}, the report's run s; the rest is starting and "
+                      "stopping the federation)" if isinstance(run_s, (int, float)) else "")
+            self.say(f"{head}: done in {_clock(outcome.seconds)}{inside}: {scores}")
         elif outcome.status == "failed":
             self.say(f"{head}: FAILED: {outcome.reason}")
         return outcome

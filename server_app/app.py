@@ -33,7 +33,8 @@ from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for
 from .paths import allowed_roots, confine
 from .provenance import provenance
 from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
-from .results import ResultsWriter, client_device_summary, devices_note, unused_output_dir
+from .results import (ResultsWriter, client_device_summary, client_size_notes, devices_note, trained_client_sizes,
+                      unused_output_dir)
 
 app = ServerApp()
 
@@ -410,6 +411,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
     sizes = [len(idx) for idx in split.client_idx]
     say(f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
         f"server public split {len(split.public_idx)}")
+    size_noted: set[int] = set()  # clients named for training on other data than the server's split gives them
 
     with stop_run(say, "the federation does not match the experiment", FederationMismatch):
         clients = discover_clients(grid, cfg, say)
@@ -467,6 +469,9 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
                                                     "elapsed_s": elapsed},
                             from_array_record(arrays), arrays_state, {k: Path(v) for k, v in stores.items()},
                             keep=cfg.checkpoint.keep)
+        if cfg.strategy.name != "central":  # the central trainer's one client holds the union by design
+            for line in client_size_notes(record.get("clients") or [], sizes, size_noted):
+                say(line)
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
         say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
             f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
@@ -518,7 +523,10 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
                  "knn_k": cfg.eval.knn_k, "knn_temperature": cfg.eval.knn_temperature,
                  "probe_epochs": cfg.eval.probe_epochs, "split": "train part -> fit, test part -> score",
                  "protocol": evaluator.protocol()},
-        "data": {"train_images": len(data.x_train), "client_sizes": sizes, "public_size": len(split.public_idx)},
+        # what the clients trained on (a node may hold a data file of its own), and what the server's split gave them
+        "data": {"train_images": len(data.x_train),
+                 "client_sizes": sizes if cfg.strategy.name == "central" else trained_client_sizes(writer.records, sizes),
+                 "client_sizes_server_split": sizes, "public_size": len(split.public_idx)},
         "output_dir": str(out_dir),
         "config_file": config_given,
         "config": cfg.to_dict(),

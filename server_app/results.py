@@ -69,6 +69,33 @@ def devices_note(clients: Iterable[dict[str, Any]]) -> str:
     return note
 
 
+def trained_client_sizes(records: Iterable[dict[str, Any]], split_sizes: list[int]) -> list[int]:
+    """The images each client trained on, as its last reply reported them (``num_examples``); the server's split
+    figure for a client that never replied. A node with a data file of its own (``data-path`` in its node config)
+    holds what that file holds, not what the server's split of its own file gives it."""
+    reported: dict[int, int] = {}
+    for record in records:
+        for client in record.get("clients") or []:
+            if client.get("id") is not None and client.get("num_examples") is not None:
+                reported[int(client["id"])] = int(client["num_examples"])
+    return [reported.get(i, size) for i, size in enumerate(split_sizes)]
+
+
+def client_size_notes(clients: Iterable[dict[str, Any]], split_sizes: list[int], noted: set[int]) -> list[str]:
+    """One line for each client whose reported image count differs from the server's split (once per client:
+    ``noted`` keeps who was named), so the progress log does not claim sizes the clients did not train on."""
+    lines = []
+    for client in clients:
+        cid, n = client.get("id"), client.get("num_examples")
+        if cid is None or n is None or int(cid) in noted or not 0 <= int(cid) < len(split_sizes):
+            continue
+        if int(n) != split_sizes[int(cid)]:
+            noted.add(int(cid))
+            lines.append(f"client {int(cid)} trains on {int(n)} images of its own data file, not the "
+                         f"{split_sizes[int(cid)]} of the server's split (its node's data-path)")
+    return lines
+
+
 def unused_output_dir(path: Path) -> Path:
     """``path`` itself, or ``path-2``, ``path-3``, ... if ``path`` already holds a run (finished or partial): an
     earlier run's results are never overwritten."""

@@ -103,3 +103,18 @@ def test_tensorboard_without_the_package_is_refused_naming_the_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
     with pytest.raises(ConfigError, match=r"^logging.tensorboard: the tensorboard package is not installed"):
         load_experiment({"config": "configs/smoke.yaml", "data.dataset": "synthetic", "logging.tensorboard": True})
+
+
+def test_the_books_say_what_clients_trained_on_when_a_node_has_its_own_data():
+    from server_app.results import client_size_notes, trained_client_sizes
+
+    split = [200, 200]
+    rounds = [{"clients": [{"id": 0, "num_examples": 270}, {"id": 1, "num_examples": 200}]},
+              {"clients": [{"id": 0, "num_examples": 270}]}]
+    assert trained_client_sizes(rounds, split) == [270, 200]
+    assert trained_client_sizes([], split) == split  # no reply yet: the server's figure
+    noted: set[int] = set()
+    lines = client_size_notes(rounds[0]["clients"], split, noted)
+    assert lines == ["client 0 trains on 270 images of its own data file, not the 200 of the server's split (its "
+                     "node's data-path)"]
+    assert client_size_notes(rounds[1]["clients"], split, noted) == []  # named once

@@ -352,6 +352,10 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output
     assert re.search(r"\[1/4\] FedBYOL, seed 0: resuming after round [12]", output), output
+    # the progress line's wall time beside the run's own (the report's "run s"), so the two do not disagree unsaid
+    clock = r"(\d+h\d\dm|\d+m\d\ds|\d+s)"
+    assert re.search(rf"\[2/4\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;",
+                     output), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
     assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 3
