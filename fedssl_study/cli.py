@@ -212,8 +212,9 @@ def run_and_report_outcome(cmd: list[str], streamed: bool) -> int:
     code = proc.wait()
     if code != 0 or not streamed or run_id is None:
         return code
-    connection = [a for a in cmd[2:] if not a.startswith("-")]
-    status = run_status(cmd[0], run_id, connection[1] if len(connection) > 1 else None)
+    from .launcher import flwr_run_connection
+
+    status = run_status(cmd[0], run_id, flwr_run_connection(cmd[2:]))
     if status == "finished:completed":
         return 0
     print(f"fedssl-run: run {run_id} ended {status or 'with an unknown status'} (flwr ls --run-id {run_id}); "

@@ -80,14 +80,21 @@ def test_fedssl_run_exits_as_the_run_ended(tmp_path, capsys, status, streamed, e
     from fedssl_study.cli import run_and_report_outcome
 
     flwr = tmp_path / "flwr"
+    asked = tmp_path / "ls-args"
     flwr.write_text("#!/bin/sh\n"
                     'if [ "$1" = run ]; then echo "Successfully started run 4242"; echo "round 1/1 ..."; exit 0; fi\n'
+                    f'echo "$@" > {asked}\n'
                     f"echo '{{\"success\": true, \"runs\": [{{\"run-id\": 4242, \"status\": \"{status}\"}}]}}'\n")
     flwr.chmod(0o755)
-    args = [str(flwr), "run", ".", *(["--stream"] if streamed else [])]
+    args = [str(flwr), "run", ".", "--run-config", "config='configs/smoke.yaml'", *(["--stream"] if streamed else [])]
     assert run_and_report_outcome(args, streamed=streamed) == expected
     out, err = capsys.readouterr()
     assert "Successfully started run 4242" in out  # Flower's output passes through
     if expected:
         assert err.strip() == (f"fedssl-run: run 4242 ended {status} (flwr ls --run-id 4242); its progress.log "
                                "says why")
+    if streamed:  # the default connection: a run-config value is no connection name
+        assert asked.read_text().split() == ["ls", "--run-id", "4242", "--format", "json"]
+        asked.unlink()
+        run_and_report_outcome([*args[:3], "lab", *args[3:]], streamed=True)
+        assert asked.read_text().split() == ["ls", "lab", "--run-id", "4242", "--format", "json"]
