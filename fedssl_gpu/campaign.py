@@ -218,10 +218,9 @@ def stage_estimates(plan: Plan) -> dict[str, dict[str, float]]:
         scale = plan.throughput["scale"]
         flops = estimate_flops(scale)
         steps = int(plan.throughput.get("steps") or timed_steps(scale))
-        batch = 1  # estimate_flops gives FLOPs per step, batch included
         compile_ = plan.throughput["compile"]
         compiled = {m: f for m, f in flops.items() if compile_ is True or (isinstance(compile_, list) and m in compile_)}
-        seconds = throughput_estimate(flops, steps, batch, 2, a)  # fp32 and the fast path, every method
+        seconds = throughput_estimate(flops, steps, 2, a)  # fp32 and the fast path, every method
         # the compiled configuration: its timed steps at the fast path's rate, its overhead and its compilation
         seconds += sum(2 * steps * f / (a.train_tflops * 1e12) + a.throughput_overhead_s + a.compile_s
                        for f in compiled.values())

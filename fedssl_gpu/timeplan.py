@@ -114,13 +114,13 @@ def run_estimate(cfg, assumed: Assumptions) -> dict[str, float]:
             "evaluated_images": float(evaluations * eval_images)}
 
 
-def throughput_estimate(methods_flops: Mapping[str, float], steps: int, batch: int, configurations: int,
+def throughput_estimate(methods_flops: Mapping[str, float], steps: int, configurations: int,
                         assumed: Assumptions) -> float:
     """Seconds of the throughput stage: ``steps`` timed steps (plus as many warm-up steps) of every method, once in
     fp32 and ``configurations - 1`` times on the fast path."""
     seconds = 0.0
     for flops_per_step in methods_flops.values():
-        work = 2 * steps * flops_per_step * batch
+        work = 2 * steps * flops_per_step
         seconds += work / (assumed.fp32_tflops * 1e12) + (configurations - 1) * work / (assumed.train_tflops * 1e12)
         seconds += configurations * assumed.throughput_overhead_s
     return seconds
