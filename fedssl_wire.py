@@ -31,8 +31,8 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -87,7 +87,7 @@ def code_mismatch_reason(text: str) -> str | None:
     return None
 
 
-def readable_reason(text: str, limit: int = 300) -> str:
+def readable_reason(text: str | None, limit: int = 300) -> str:
     """An error reply's reason in one line: a simulation wraps a ClientApp's exception in Ray's multi-line report
     (ANSI colours, tracebacks); keep the exception's own message (after the last ``Message:``, or the last line
     that names an exception), shortened to ``limit`` characters."""
@@ -215,7 +215,7 @@ def record_manifest(record: ArrayRecord) -> list[tuple[str, np.dtype, tuple[int,
     """(name, dtype, shape) of every array a record holds, in order, without decoding the data. Raises
     ``ValueError`` naming the problem when a packed record's manifest is malformed."""
     if not is_packed(record):
-        return [(key, np.dtype(record[key].dtype), tuple(record[key].shape)) for key in record.keys()]
+        return [(key, np.dtype(record[key].dtype), tuple(record[key].shape)) for key in record]
     try:
         text = record[MANIFEST_KEY].numpy().tobytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -225,9 +225,9 @@ def record_manifest(record: ArrayRecord) -> list[tuple[str, np.dtype, tuple[int,
         parts = line.split("\t")
         if len(parts) != 3:
             raise ValueError(f"packed record: manifest line {number} {line[:80]!r} is not name<TAB>dtype<TAB>shape")
-        name, dtype, shape = parts
+        name, dtype_name, shape = parts
         try:
-            dtype = np.dtype(dtype)
+            dtype = np.dtype(dtype_name)
             dims = tuple(int(n) for n in shape.split(",")) if shape else ()
         except (TypeError, ValueError):
             raise ValueError(f"packed record: manifest line {number} has a bad dtype or shape: {line[:80]!r}") from None
@@ -250,7 +250,7 @@ def from_array_record(record: ArrayRecord) -> OrderedDict:
     """The named arrays of a record (each its own writable array). Raises ``ValueError`` when a packed record's
     buffer does not hold exactly what its manifest describes."""
     if not is_packed(record):
-        return OrderedDict((key, record[key].numpy()) for key in record.keys())
+        return OrderedDict((key, record[key].numpy()) for key in record)
     entries = record_manifest(record)
     packed = record[PACKED_KEY].numpy()
     expected = sum(entry_nbytes(dtype, shape) for _, dtype, shape in entries)
@@ -294,7 +294,7 @@ class DiskStateStore:
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".npz.tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **{k: np.ascontiguousarray(v) for k, v in state.items()})
+                np.savez(fh, **{k: np.ascontiguousarray(v) for k, v in state.items()})  # type: ignore[arg-type]  # names, never allow_pickle
             os.replace(tmp, self.path(client_id))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -354,7 +354,7 @@ class RoundStateStore(DiskStateStore):
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".npz.tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **{k: np.ascontiguousarray(v) for k, v in state.items()})
+                np.savez(fh, **{k: np.ascontiguousarray(v) for k, v in state.items()})  # type: ignore[arg-type]  # names, never allow_pickle
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

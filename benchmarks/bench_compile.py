@@ -26,15 +26,15 @@ from pathlib import Path
 if "--warm-cache" not in sys.argv:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
 
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.data.augment import SSLAugment  # noqa: E402
-from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.networks import build_backbone  # noqa: E402
-from ssl_models.training import CompiledStep, cpu_has_fast_bf16, fast_path_for  # noqa: E402
+from ssl_models.data.augment import SSLAugment
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
+from ssl_models.training import CompiledStep, cpu_has_fast_bf16, fast_path_for
 
 RESULTS = REPO / "benchmarks" / "results"
 HEADS = {"simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     be = result["break_even_steps"]
     lines = [f"# torch.compile of the training step ({result['date']})", "",
-             f"Command: `{result['command']}`. Machine: {result['machine']} ({result['cpu_capability']}), {args.threads} "
+             (f"Command: `{result['command']}`. Machine: {result['machine']} ({result['cpu_capability']}), {args.threads} "
              f"torch threads, native bf16: {result['native_bf16']}, torch {result['torch']}. Step: {result['step']}. "
-             f"Inductor's kernel cache: {result['inductor_cache']}.", "",
+             f"Inductor's kernel cache: {result['inductor_cache']}."), "",
              "| mode | first step s | warm step s (median) | compiled |", "|---|---|---|---|",
              f"| eager | {eager['first_s']:.2f} | {eager['warm_median_s']:.3f} | - |",
-             f"| torch.compile (inductor) | {compiled['first_s']:.2f} | {compiled['warm_median_s']:.3f} | "
-             f"{'yes' if compiled['compiled'] else 'no: ' + str(compiled['fallback'])} |", "",
+             (f"| torch.compile (inductor) | {compiled['first_s']:.2f} | {compiled['warm_median_s']:.3f} | "
+             f"{'yes' if compiled['compiled'] else 'no: ' + str(compiled['fallback'])} |"), "",
              f"Warm speed-up: **{result['warm_speedup']:.2f}x**; compilation pays for itself after "
              + (f"**{be:.0f} warm steps**." if be is not None else "**never** (no warm step is faster).")]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "docker"))  # compose_native, docker_engine
 
-from compose_native import kill_group, wait_for  # noqa: E402
-from fedssl_study.launcher import free_port, kill_processes_with_env, read_jsonl, run_experiment  # noqa: E402
+from compose_native import kill_group, wait_for
+from fedssl_study.launcher import free_port, kill_processes_with_env, read_jsonl, run_experiment
 
 MARKER = "FEDSSL_BENCH_DEPLOYMENT"
 BIN = Path(sys.executable).parent
@@ -75,7 +75,7 @@ class LoopbackDeployment:
         self.procs: list[subprocess.Popen] = []
 
     def _start(self, name: str, argv: list[str], home: str, **env: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child process's output: open as long as it runs
         proc = subprocess.Popen(argv, cwd=self.tmp, env={**self.env, "FLWR_HOME": str(self.tmp / home), **env},
                                 stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -91,10 +91,10 @@ class LoopbackDeployment:
 
     def _cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([_exe("flwr"), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**self.env, "FLWR_HOME": str(self.tmp / "cli")})
+                              env={**self.env, "FLWR_HOME": str(self.tmp / "cli")}, check=False)
 
     def start(self) -> None:
-        sh = lambda *a: subprocess.run(["bash", *map(str, a)], check=True, capture_output=True)  # noqa: E731
+        sh = lambda *a: subprocess.run(["bash", *map(str, a)], check=True, capture_output=True)
         sh(REPO / "docker" / "make-certs.sh", self.secrets, "localhost", "127.0.0.1")
         tls = ["--ssl-ca-certfile", self.secrets / "ca.crt", "--ssl-certfile", self.secrets / "server.pem",
                "--ssl-keyfile", self.secrets / "server.key"]
@@ -267,7 +267,7 @@ def client_cold_start(raw: dict, threads: int) -> dict:
         (Path(tmp) / "cfg.yaml").write_text(yaml.safe_dump(raw))
         proc = subprocess.run([sys.executable, "-c", COLD_START, str(Path(tmp) / "cfg.yaml")], cwd=REPO,
                               capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=False)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -428,9 +428,9 @@ def render(r: dict) -> str:
         "# Deployed vs simulated: per-round overhead", "",
         f"Command: `{r['command']}` ({r['date']}, {r['machine']}).", "",
         f"Config: {r['config']}. Deployment: {r['deployment']}.", "",
-        "Round time = the ServerApp's `wall_s` (send the round's messages -> aggregate the replies; evaluation "
+        ("Round time = the ServerApp's `wall_s` (send the round's messages -> aggregate the replies; evaluation "
         "excluded). Overhead = deployed minus simulated round time. `train` = the slowest client's local "
-        "training time inside the round.", "",
+        "training time inside the round."), "",
         "| round | simulation s (train) | " + " | ".join(f"{m} s (train) | {m} overhead s" for m in modes) + " |",
         "|---|---|" + "---|---|" * len(modes),
     ]
@@ -439,11 +439,11 @@ def render(r: dict) -> str:
         for m in modes:
             cells += [f"{row[f'{m}_s']:.1f} ({row[f'{m}_train_s']:.1f})", f"{row[f'{m}_overhead_s']:+.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| | warm round s (mean, rounds 2+) | warm overhead s | ratio | first-round overhead s | "
-                  "run s | max train-loss difference to simulation | linear probe |",
+    lines += ["", ("| | warm round s (mean, rounds 2+) | warm overhead s | ratio | first-round overhead s | "
+                  "run s | max train-loss difference to simulation | linear probe |"),
               "|---|---|---|---|---|---|---|---|",
-              f"| simulation | {r['simulation']['warm_round_s_mean']:.1f} | - | 1.00 | - | "
-              f"{r['simulation']['run_s']:.0f} | - | {100 * r['simulation']['linear_probe_acc']:.1f}% |"]
+              (f"| simulation | {r['simulation']['warm_round_s_mean']:.1f} | - | 1.00 | - | "
+              f"{r['simulation']['run_s']:.0f} | - | {100 * r['simulation']['linear_probe_acc']:.1f}% |")]
     for m, s in r["deployed"].items():
         lines.append(f"| {m} | {s['warm_round_s_mean']:.1f} | {s['warm_round_overhead_s_mean']:+.1f} | "
                      f"{s['warm_round_ratio']:.2f} | {s['first_round_overhead_s']:+.1f} | {s['run_s']:.0f} | "
@@ -453,18 +453,18 @@ def render(r: dict) -> str:
     if any(hops.values()):
         names = [h[0] for h in HOPS] + ["train_s (inside the handler)", "message created -> reply received"]
         what = {h[0]: h[3] for h in HOPS}
-        lines += ["", "Where a warm round's time goes, per client (mean over rounds 2+ and clients, seconds after the "
+        lines += ["", ("Where a warm round's time goes, per client (mean over rounds 2+ and clients, seconds after the "
                   "server created the client's message, from the timeline each reply carries; one host, one clock; "
                   "the simulation's ClientApps live in long-lived processes, so it has no dispatch or start-up "
-                  "stretches):", "",
+                  "stretches):"), "",
                   "| stretch | what | " + " | ".join(hops) + " |", "|---|---|" + "---|" * len(hops)]
         for name in names:
             lines.append(f"| {name} | {what.get(name, '')} | "
                          + " | ".join(f"{h[name]:.2f}" if name in h else "-" for h in hops.values()) + " |")
     base = r.get("baseline")
     if base:
-        lines += ["", f"Against the earlier result `{base['file']}` ({base['date']}, `{base['command']}`), warm rounds, "
-                  "mean seconds:", "", "| | earlier | now | change |", "|---|---|---|---|"]
+        lines += ["", (f"Against the earlier result `{base['file']}` ({base['date']}, `{base['command']}`), warm rounds, "
+                  "mean seconds:"), "", "| | earlier | now | change |", "|---|---|---|---|"]
         for m, s in r["deployed"].items():
             old = (base.get("deployed") or {}).get(m)
             if not old:
@@ -477,17 +477,17 @@ def render(r: dict) -> str:
             lines += [f"| {name} | {a:.2f} | {b:.2f} | {b - a:+.2f} |" for name, a, b in pairs]
     o = r.get("message_objects")
     if o:
-        lines += ["", f"One training message of this model ({o['arrays']} arrays) is {o['packed']['objects']} Flower "
+        lines += ["", (f"One training message of this model ({o['arrays']} arrays) is {o['packed']['objects']} Flower "
                   f"objects with the app's packed record ({o['packed']['record_bytes']:,} bytes), against "
                   f"{o['per_array']['objects']} with one Array per tensor ({o['per_array']['record_bytes']:,} bytes); "
-                  "Flower 1.41 pushes and pulls every object with its own request on every hop."]
+                  "Flower 1.41 pushes and pulls every object with its own request on every hop.")]
     c = r["client_cold_start"]
-    lines += ["", f"A ClientApp in a new process, measured alone (OMP_NUM_THREADS={c['OMP_NUM_THREADS']}): import torch "
+    lines += ["", (f"A ClientApp in a new process, measured alone (OMP_NUM_THREADS={c['OMP_NUM_THREADS']}): import torch "
               f"{c['import_torch_s']:.1f} s, import the app {c['import_app_s']:.1f} s, load its partition "
               f"{c['load_partition_s']:.1f} s, first training {c['first_training_s']:.1f} s (the same training warm: "
               f"{c['warm_training_s']:.1f} s). A deployed SuperNode starts such a process for every message; the rest "
               "of the overhead is Flower's transport: the SuperNode polls for messages every 3 s, its SuperExec for "
-              "tasks every 1 s, the ServerApp's Grid for replies every 3 s, each exchange over HTTPS."]
+              "tasks every 1 s, the ServerApp's Grid for replies every 3 s, each exchange over HTTPS.")]
     return "\n".join(lines) + "\n"
 
 

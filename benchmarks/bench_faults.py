@@ -25,14 +25,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
-import server_app.app as server_module  # noqa: E402
-import server_app.results as results_module  # noqa: E402
-import strategies.fedssl as fedssl_module  # noqa: E402
-from client_app.app import app as client_app  # noqa: E402
-from fedssl_wire import from_array_record, to_array_record  # noqa: E402
+import server_app.app as server_module
+import server_app.results as results_module
+import strategies.fedssl as fedssl_module
+from client_app.app import app as client_app
+from fedssl_wire import from_array_record, to_array_record
 
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = {
@@ -72,7 +72,7 @@ class FaultGrid:
                 if target and m.metadata.dst_node_id == 101 and self.fault == "ClientApp raises":
                     raise RuntimeError("injected: the ClientApp crashed")
                 reply = client_app(m, self.contexts[m.metadata.dst_node_id])
-            except Exception as exc:  # Flower's runtime turns a raising ClientApp into an error reply
+            except Exception as exc:  # noqa: BLE001 - Flower's runtime turns a raising ClientApp into an error reply
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=m)
             if target and not reply.has_error():
                 if m.metadata.dst_node_id == 100:
@@ -143,11 +143,11 @@ def main() -> int:
     (RESULTS / "faults.json").write_text(json.dumps({"command": "python benchmarks/bench_faults.py", "rows": rows},
                                                     indent=2))
     lines = [f"# Faults injected and survived ({started})", "",
-             "Command: `python benchmarks/bench_faults.py` (in-process runs of the real ServerApp and ClientApp: 2 "
+             ("Command: `python benchmarks/bench_faults.py` (in-process runs of the real ServerApp and ClientApp: 2 "
              "clients, 3 rounds, synthetic data; one fault in client 1's round-2 reply per row). `models corrupted`: "
              "1 if the global model after round 2 differs from client 0's upload, the only valid one. The "
              "kill-and-resume fault is `tests/test_e2e_resume.py` (a real `flwr run` killed in round 3 of 3, resumed "
-             "to the same final metrics as the run left alone: 0 rounds lost, 0 repeated).", "",
+             "to the same final metrics as the run left alone: 0 rounds lost, 0 repeated)."), "",
              "| fault | injected | rounds completed | rounds lost | named in failed_clients | models corrupted |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -26,7 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedssl_study.launcher import flwr_run, processes_with_env, read_jsonl  # noqa: E402
+from fedssl_study.launcher import flwr_run, processes_with_env, read_jsonl
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
                                                     "cases": results}, indent=2) + "\n")
     lines = [f"# FedEMA client-state memory ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"Command: `{shown}`. Tiny scale: ResNet-18 width 0.25 BYOL (heads 256), 40 images per client, "
+             (f"Command: `{shown}`. Tiny scale: ResNet-18 width 0.25 BYOL (heads 256), 40 images per client, "
              f"2 local steps of batch 32, {args.rounds} rounds, 2-core CPU, `flwr run` simulation "
              "(client-resources num-cpus=2). Peak = highest sum of the RSS of all the run's processes "
-             "(SuperLink, SuperExec, simulation, Ray and its workers), sampled every 0.25 s.", "",
-             "| clients | per round | client state | clients trained | peak RSS (MiB) | state on disk (MiB) | "
-             "one client's state (MiB) | wall s |", "|---|---|---|---|---|---|---|---|"]
+             "(SuperLink, SuperExec, simulation, Ray and its workers), sampled every 0.25 s."), "",
+             ("| clients | per round | client state | clients trained | peak RSS (MiB) | state on disk (MiB) | "
+             "one client's state (MiB) | wall s |"), "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['num_clients']} | {r['clients_per_round']} | {r['client_state']} | "
                      f"{r['clients_trained']} | {r['peak_rss_mib']:.0f} | {r['state_disk_mib']:.1f} | "

@@ -35,7 +35,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -43,10 +43,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.networks import build_backbone  # noqa: E402
-from ssl_models.factory import split_state, state_to_numpy  # noqa: E402
-from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.federated.similarity import (  # noqa: E402
+from fedssl_wire import from_array_record, to_array_record
+from ssl_models.factory import split_state, state_to_numpy
+from ssl_models.federated.similarity import (
     DENSE_FP16,
     DENSE_FP32,
     TOPK,
@@ -56,7 +55,8 @@ from ssl_models.federated.similarity import (  # noqa: E402
     payload_bytes,
     topk_count,
 )
-from fedssl_wire import from_array_record, to_array_record  # noqa: E402
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
 
 RESULTS = REPO / "benchmarks" / "results"
 MIB = 2**20
@@ -113,7 +113,7 @@ def reset_peak_rss() -> bool:
 class PeakWindow:
     """Baseline RSS, then the peak RSS of what runs inside the ``with`` block (bytes), and its wall time."""
 
-    def __enter__(self) -> "PeakWindow":
+    def __enter__(self) -> Self:
         release_freed_memory()
         self.baseline = proc_status_kib("VmRSS") * 1024
         self.reset_ok = reset_peak_rss()
@@ -315,36 +315,36 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
              f" on {os.cpu_count()} cores." + (" Another job was running at the same time: times may be inflated "
                                                "(memory figures are per process and unaffected)."
                                                if max(results['load_start'], results['load_end']) > 1.5 else ""), "",
-             "Representations are random 128-d unit vectors (seeded), not a trained model's: bytes depend only on "
-             "N and k, and memory and time only on N, k and K.", ""]
+             ("Representations are random 128-d unit vectors (seeded), not a trained model's: bytes depend only on "
+             "N and k, and memory and time only on N, k and K."), ""]
     model = results.get("model_upload")
     if "upload_bytes" in results:
         lines += ["## 1. Upload per client per round", "",
-                  f"FedAvg reference: {model['model']}, {model['parameters']:,} parameters, "
+                  (f"FedAvg reference: {model['model']}, {model['parameters']:,} parameters, "
                   f"{model['arrays']} arrays (SimCLR uploads its whole state; {model['not_uploaded_arrays']} "
-                  "arrays stay local).", "",
+                  "arrays stay local)."), "",
                   *fmt_bytes_table(results["upload_bytes"], model), "",
-                  "Raw bytes: the arrays' `nbytes` (`payload_bytes`). Flower bytes: "
+                  ("Raw bytes: the arrays' `nbytes` (`payload_bytes`). Flower bytes: "
                   "`to_array_record(payload).count_bytes()`, the app's count (serialised .npy data with its "
                   "header, plus key names); the ratio uses Flower bytes on both sides. Top-k keeps "
                   "k = floor(fraction * N) + 1 entries per row (the image itself is free), values float16 and "
-                  "indices in the smallest unsigned type holding N - 1 (uint16 up to N = 65,536).", "",
-                  "Download: a client of the global architecture receives the distilled model each round, the "
+                  "indices in the smallest unsigned type holding N - 1 (uint16 up to N = 65,536)."), "",
+                  ("Download: a client of the global architecture receives the distilled model each round, the "
                   "same bytes as a FedAvg download (the ResNet-18 row above); a client of another architecture "
-                  "receives nothing but the round's config.", ""]
+                  "receives nothing but the round's config."), ""]
     if "server_ensemble" in results:
         n = results["server_ensemble"][0]["n"]
         lines += [f"## 2. Server: ensembling the uploads of K clients (N = {n:,})", "",
-                  "Each case in a fresh process. Before the measurement the process holds the K received "
+                  ("Each case in a fresh process. Before the measurement the process holds the K received "
                   "ArrayRecords (the replies, as the server does: they are part of the baseline); the window "
                   "covers decoding one upload at a time through a generator and `ensemble_similarity` "
                   f"(tau_T = {TARGET_TEMPERATURE}, paper sparsification). N^2 float32 = "
-                  f"{4 * n * n / 1e6:,.0f} MB ({4 * n * n / MIB:,.0f} MiB).", "",
+                  f"{4 * n * n / 1e6:,.0f} MB ({4 * n * n / MIB:,.0f} MiB)."), "",
                   *fmt_memory_table(results["server_ensemble"], "uploads",
                                     lambda r: f"K = {r['clients']}, {mode_label(r['mode'], r['fraction'])} "
                                               f"({r['received_uploads_mib']:.1f} MiB received)"), "",
-                  "Expected: the float32 (N, N) accumulator (1.0 N^2 float32) plus one decoded upload plus one "
-                  "row block; independent of K.", ""]
+                  ("Expected: the float32 (N, N) accumulator (1.0 N^2 float32) plus one decoded upload plus one "
+                  "row block; independent of K."), ""]
     if "client_payload" in results:
         n = results["client_payload"][0]["n"]
         lines += [f"## 3. Client: computing the upload (`client_similarity_payload`, N = {n:,})", "",
@@ -354,10 +354,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                   "| mode | peak incl. `to_array_record` MiB | in N^2 float32 |", "|---|---|---|"]
         lines += [f"| {mode_label(r['mode'], r['fraction'])} | {r['peak_with_record_mib']:.0f} | "
                   f"{r['delta_with_record_in_n2_float32']:.2f} |" for r in results["client_payload"]]
-        lines += ["", "The top-k path computes similarities 1,024 rows at a time and never holds the (N, N) "
-                  "matrix; the dense path holds it (float32) before encoding.", ""]
-    lines += [f"Peak reset via /proc/self/clear_refs accepted in every case: {results.get('peak_reset_ok_all')}. "
-              f"Total run time {results['total_s']:.0f} s.", ""]
+        lines += ["", ("The top-k path computes similarities 1,024 rows at a time and never holds the (N, N) "
+                  "matrix; the dense path holds it (float32) before encoding."), ""]
+    lines += [(f"Peak reset via /proc/self/clear_refs accepted in every case: {results.get('peak_reset_ok_all')}. "
+              f"Total run time {results['total_s']:.0f} s."), ""]
     lines += summary_lines(results)
     path.write_text("\n".join(lines))
 

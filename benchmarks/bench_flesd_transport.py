@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_fedema_memory import PeakSampler  # noqa: E402
-from fedssl_study.launcher import flwr_run, read_jsonl  # noqa: E402
+from bench_fedema_memory import PeakSampler
+from fedssl_study.launcher import flwr_run, read_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,14 +33,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.data.augment import SSLAugment  # noqa: E402
-from ssl_models.config import ExperimentConfig  # noqa: E402
-from ssl_models.data.datasets import load_npz, subsample  # noqa: E402
-from ssl_models.networks import build_backbone  # noqa: E402
-from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
-from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.data.splits import client_images  # noqa: E402
-from ssl_models.training import cpu_has_fast_bf16, train_ssl  # noqa: E402
+from ssl_models.config import ExperimentConfig
+from ssl_models.data.augment import SSLAugment
+from ssl_models.data.datasets import load_npz, subsample
+from ssl_models.data.splits import client_images
+from ssl_models.evaluation.protocol import evaluate_backbone
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
+from ssl_models.training import cpu_has_fast_bf16, train_ssl
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -78,7 +78,7 @@ def bench_throughput(images: np.ndarray, steps: int, batch: int) -> dict:
     out["plain_fp32_s_per_step"] = plain_fp32_loop(m, images, steps, batch) / steps
     for name, fast in (("train_ssl_fp32", False), ("train_ssl_fast", True)):
         m = simclr_r18()
-        common = dict(epochs=1, batch_size=batch, lr=0.05, weight_decay=5e-4, fast_path=fast, seed=0)
+        common = {"epochs": 1, "batch_size": batch, "lr": 0.05, "weight_decay": 5e-4, "fast_path": fast, "seed": 0}
         train_ssl(m, images[: batch * 1], **common)
         stats = train_ssl(m, images[: batch * steps], **common)
         out[f"{name}_s_per_step"] = stats.seconds / stats.steps
@@ -180,40 +180,40 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["## Local training throughput (SimCLR, CIFAR ResNet-18, batch 64, CPU)", "",
                   "| loop | s/step | images/s | precision |", "|---|---|---|---|",
                   f"| plain PyTorch fp32 | {t['plain_fp32_s_per_step']:.2f} | {t['plain_fp32_images_per_s']:.1f} | fp32 |",
-                  f"| train_ssl, fast path off | {t['train_ssl_fp32_s_per_step']:.2f} | "
-                  f"{t['train_ssl_fp32_images_per_s']:.1f} | {t['train_ssl_fp32_precision']} |",
-                  f"| train_ssl, fast path on | {t['train_ssl_fast_s_per_step']:.2f} | "
-                  f"{t['train_ssl_fast_images_per_s']:.1f} | {t['train_ssl_fast_precision']} + channels-last |", "",
-                  f"Speed-up of the fast path over the plain fp32 loop: **{t['speedup_fast_vs_plain_fp32']:.2f}x** "
-                  "(goal >= 3x).", ""]
+                  (f"| train_ssl, fast path off | {t['train_ssl_fp32_s_per_step']:.2f} | "
+                  f"{t['train_ssl_fp32_images_per_s']:.1f} | {t['train_ssl_fp32_precision']} |"),
+                  (f"| train_ssl, fast path on | {t['train_ssl_fast_s_per_step']:.2f} | "
+                  f"{t['train_ssl_fast_images_per_s']:.1f} | {t['train_ssl_fast_precision']} + channels-last |"), "",
+                  (f"Speed-up of the fast path over the plain fp32 loop: **{t['speedup_fast_vs_plain_fp32']:.2f}x** "
+                  "(goal >= 3x)."), ""]
     if o:
         lines += ["## Federation overhead (`flwr run .` simulation vs the same training in one loop)", "",
                   f"{o['config']}; {o['rounds']} rounds.", "",
                   "| round | simulated round wall s | same training, plain loop s |", "|---|---|---|"]
         lines += [f"| {i + 1} | {w:.1f} | {pl:.1f} |" for i, (w, pl) in
                   enumerate(zip(o["round_wall_s"], o["plain_loop_s_per_round"]))]
-        lines += ["", f"Overhead ratio, warm rounds (2..{o['rounds']}): **{o['overhead_ratio_warm']:.3f}** "
+        lines += ["", (f"Overhead ratio, warm rounds (2..{o['rounds']}): **{o['overhead_ratio_warm']:.3f}** "
                   f"(goal <= 1.10); first round (Ray actors start, data first loaded): "
-                  f"{o['overhead_ratio_first_round']:.3f}.", ""]
+                  f"{o['overhead_ratio_first_round']:.3f}."), ""]
     if p:
         lines += ["## Fast path vs fp32: linear probe at CPU scale", "",
-                  f"{p['method']} on {p['model']}, {p['train_images']} CIFAR-10 images, {p['epochs']} epochs of "
+                  (f"{p['method']} on {p['model']}, {p['train_images']} CIFAR-10 images, {p['epochs']} epochs of "
                   f"batch 64; each seed trains both precisions from the same weights, batches and augmentations; "
-                  f"probe {p['probe']}.", "",
+                  f"probe {p['probe']}."), "",
                   "| seed | precision | train s | final loss | kNN acc | linear probe acc |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['seed']} | {r['precision']} ({r['step_precision']}) | {r['train_s']:.0f} | "
                   f"{r['final_loss']:.4f} | {100 * r['knn_acc']:.2f}% | {100 * r['linear_probe_acc']:.2f}% |"
                   for r in p["runs"]]
         lo, hi = p["fp32_linear_probe_range"]
-        lines += ["", f"Linear probe, mean ± std over seeds {p['seeds']}: fp32 {100 * p['fp32_linear_probe_mean']:.2f} ± "
+        lines += ["", (f"Linear probe, mean ± std over seeds {p['seeds']}: fp32 {100 * p['fp32_linear_probe_mean']:.2f} ± "
                   f"{100 * p['fp32_linear_probe_std']:.2f} (range {100 * lo:.2f}-{100 * hi:.2f}), fast path "
                   f"{100 * p['fast_linear_probe_mean']:.2f} ± {100 * p['fast_linear_probe_std']:.2f}; difference "
                   f"**{p['linear_probe_diff_points']:+.2f} points**; the fast path's mean is "
-                  f"{'within' if p['fast_mean_within_fp32_seed_range'] else 'outside'} fp32's seed range.", ""]
-    lines += ["Data: the CIFAR-10 dev copy (JPEG-derived; dev-test split), so absolute accuracies are for relative "
-              "comparison only.", "",
-              "Where the step's time goes, and this machine's measured bf16 / fp32 matrix-product limits next to the "
-              "step's achieved GFLOP/s: `fast_path_profile.md` (`python benchmarks/profile_fast_path.py`).", ""]
+                  f"{'within' if p['fast_mean_within_fp32_seed_range'] else 'outside'} fp32's seed range."), ""]
+    lines += [("Data: the CIFAR-10 dev copy (JPEG-derived; dev-test split), so absolute accuracies are for relative "
+              "comparison only."), "",
+              ("Where the step's time goes, and this machine's measured bf16 / fp32 matrix-product limits next to the "
+              "step's achieved GFLOP/s: `fast_path_profile.md` (`python benchmarks/profile_fast_path.py`)."), ""]
     path.write_text("\n".join(lines))
 
 

@@ -36,13 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_flesd import MIB, PeakWindow, flower_bytes, in_fresh_process, shown_command  # noqa: E402
-from ssl_models.factory import split_state, state_to_numpy  # noqa: E402
-from ssl_models.federated.cka import center_kernel, feature_alignment_loss, kernel_alignment_loss  # noqa: E402
-from ssl_models.federated.kernel_alignment import client_kernel, encode_kernel  # noqa: E402
-from ssl_models.federated.similarity import DENSE_FP16, DENSE_FP32, TOPK  # noqa: E402
-from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.networks import build_backbone  # noqa: E402
+from bench_flesd import MIB, PeakWindow, flower_bytes, in_fresh_process, shown_command
+from ssl_models.factory import split_state, state_to_numpy
+from ssl_models.federated.cka import center_kernel, feature_alignment_loss, kernel_alignment_loss
+from ssl_models.federated.kernel_alignment import client_kernel, encode_kernel
+from ssl_models.federated.similarity import DENSE_FP16, DENSE_FP32, TOPK
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
 
 RESULTS = REPO / "benchmarks" / "results"
 FEATURE_DIM = 256
@@ -136,17 +136,17 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     n = results["n"]
     n2 = 4 * n * n
     lines = [f"# Hetero-SSFL bytes and memory, RAD of {n:,} images ({results['date']})", "",
-             f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
+             (f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
              f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {os.cpu_count()} cores: times are "
-             "measured under load; memory figures are per process.", "",
-             f"Kernels are A A^T of random (N, {FEATURE_DIM}) representations (seeded): bytes depend only on N and "
-             f"the form. N^2 float32 = {n2 / 1e6:,.0f} MB ({n2 / MIB:,.1f} MiB).", ""]
+             "measured under load; memory figures are per process."), "",
+             (f"Kernels are A A^T of random (N, {FEATURE_DIM}) representations (seeded): bytes depend only on N and "
+             f"the form. N^2 float32 = {n2 / 1e6:,.0f} MB ({n2 / MIB:,.1f} MiB)."), ""]
     if "message_bytes" in results:
         models = results["fedbyol_weights"]
         lines += ["## 1. Bytes per client and round, each way", "",
-                  "The same form travels both ways: the client's kernel K_k up, K_bar down (round 1 has no K_bar: "
+                  ("The same form travels both ways: the client's kernel K_k up, K_bar down (round 1 has no K_bar: "
                   "0 bytes down). Counted as the app counts them (`ArrayRecord.count_bytes()`: arrays + headers + "
-                  "key names); the raw column is the arrays' `nbytes`.", "",
+                  "key names); the raw column is the arrays' `nbytes`."), "",
                   "| N | form | dtypes | raw bytes | app bytes | MiB | vs FedBYOL ResNet-18 | vs FedBYOL ResNet-34 |",
                   "|---|---|---|---|---|---|---|---|"]
         r18, r34 = models["resnet18"]["flower_bytes"], models["resnet34"]["flower_bytes"]
@@ -155,12 +155,12 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             lines.append(f"| {r['n']:,} | {r['form']} | {dtypes} | {r['raw_bytes']:,} | {r['flower_bytes']:,} | "
                          f"{r['flower_bytes'] / MIB:.2f} | {r['flower_bytes'] / r18:.2f}x | "
                          f"{r['flower_bytes'] / r34:.2f}x |")
-        for arch, m in models.items():
+        for m in models.values():
             lines.append(f"| - | FedBYOL weights: {m['model']} ({m['parameters']:,} values) | float32 | - | "
                          f"{m['flower_bytes']:,} | {m['flower_bytes'] / MIB:.2f} | - | - |")
         dense = next(r for r in results["message_bytes"] if r["n"] == n and r["mode"] == DENSE_FP32)
-        lines += ["", f"Per round with the paper's federations at N = {n:,}, dense fp32 (up + down, every sampled "
-                  "client; the same whatever the encoders):", "",
+        lines += ["", (f"Per round with the paper's federations at N = {n:,}, dense fp32 (up + down, every sampled "
+                  "client; the same whatever the encoders):"), "",
                   "| federation | clients per round | MiB per round, up + down | FedBYOL ResNet-34, MiB |", "|---|---|---|---|"]
         for total, per_round in ((5, 5), (20, 5), (100, 10)):
             lines.append(f"| {total} clients | {per_round} | {2 * per_round * dense['flower_bytes'] / MIB:,.0f} | "
@@ -168,11 +168,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         lines.append("")
     if "server" in results:
         lines += [f"## 2. Server: K_bar from the kernels of K clients on disk (N = {n:,})", "",
-                  "Each case in a fresh process; the window covers `HeteroSSFL.update_kbar`: stream each client's "
+                  ("Each case in a fresh process; the window covers `HeteroSSFL.update_kbar`: stream each client's "
                   "latest kernel from its file, add it into a float32 (N, N) accumulator row block by row block, "
-                  "then encode K_bar and build the ArrayRecord that is sent. The kernels themselves stay on disk.", "",
-                  "| clients K | form | kernels on disk MiB | K_bar record MiB | baseline RSS MiB | peak RSS MiB | "
-                  "peak - baseline MiB | in N^2 float32 | s (under load) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "then encode K_bar and build the ArrayRecord that is sent. The kernels themselves stay on disk."), "",
+                  ("| clients K | form | kernels on disk MiB | K_bar record MiB | baseline RSS MiB | peak RSS MiB | "
+                  "peak - baseline MiB | in N^2 float32 | s (under load) |"), "|---|---|---|---|---|---|---|---|---|"]
         for r in results["server"]:
             lines.append(f"| {r['clients']} | {label(r['mode'], r['fraction'])} | {r['kernels_on_disk_mib']:,.0f} | "
                          f"{r['kbar_record_mib']:.1f} | {r['baseline_rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
@@ -187,10 +187,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             "from disk (fp32 1.0, fp16 0.5, top-n% small), the encoded K_bar and its serialised record.", ""]
     if "client" in results:
         lines += ["## 3. Client: the alignment term's N x N part", "",
-                  f"A ({n:,}, {FEATURE_DIM}) float32; the window covers 0.5 (1 - CKA(A A^T, K_bar)) and dL/dA. The "
+                  (f"A ({n:,}, {FEATURE_DIM}) float32; the window covers 0.5 (1 - CKA(A A^T, K_bar)) and dL/dA. The "
                   "received K_bar (1.0 N^2 float32) and, for the feature form, H K_bar H (1.0, centred once per "
                   "round) are in the baseline. With `refresh: epoch` this runs once per local epoch; the network's "
-                  "backward then runs chunk by chunk of `rad_forward_batch` RAD images.", "",
+                  "backward then runs chunk by chunk of `rad_forward_batch` RAD images."), "",
                   "| form | peak - baseline MiB | in N^2 float32 | s (under load) |", "|---|---|---|---|"]
         for c in results["client"]:
             what = ("feature form (linear kernel, what clients run)" if c["form"] == "feature"

@@ -34,10 +34,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.config import ExperimentConfig, load_config_tree  # noqa: E402
-from ssl_models.factory import build_augment, build_ssl_model  # noqa: E402
-from ssl_models.federated.kernel_alignment import KernelAligner, client_kernel, rad_representations  # noqa: E402
-from ssl_models.training import fast_path_for, train_ssl  # noqa: E402
+from ssl_models.config import ExperimentConfig, load_config_tree
+from ssl_models.factory import build_augment, build_ssl_model
+from ssl_models.federated.kernel_alignment import KernelAligner, client_kernel, rad_representations
+from ssl_models.training import fast_path_for, train_ssl
 
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = REPO / "configs" / "heterossfl" / "cpu-compare.yaml"
@@ -102,7 +102,7 @@ def term_error(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch:
     terms = {}
     for precision in ("fp32", "train"):
         aligner = aligner_for(cfg, rad, target, "step", precision, 0.5)
-        grad = flat_grad(model, lambda: aligner.loss(model))
+        grad = flat_grad(model, lambda aligner=aligner: aligner.loss(model))
         terms[precision] = (aligner.stats.values[-1], grad)
     minibatch = aligner_for(cfg, rad, target, "minibatch", "fp32", 0.5)
     minibatch_grad = flat_grad(model, lambda: minibatch.loss(model))
@@ -129,19 +129,19 @@ def term_error(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch:
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     lines = [f"# Hetero-SSFL local step: RAD-forward precision ({results['date']})", "",
-             f"Command: `{results['command']}`. Machine: {results['machine']}; torch {results['torch']}, "
+             (f"Command: `{results['command']}`. Machine: {results['machine']}; torch {results['torch']}, "
              f"{results['threads']} intra-op thread(s). Config: `configs/heterossfl/cpu-compare.yaml` (quarter-width "
              "encoders, SimCLR, batch 64, 500-image RAD, BatchNorm batch statistics on the RAD, mu 0.5). "
-             f"Median over {results['repeats']} windows of {results['steps']} steps after a warm-up window.", "",
+             f"Median over {results['repeats']} windows of {results['steps']} steps after a warm-up window."), "",
              "| encoder | local step | s / step | x no term |", "|---|---|---|---|"]
     base = {r["arch"]: r["s_per_step"] for r in results["steps_timed"] if r["case"].startswith("no term")}
     for r in results["steps_timed"]:
         lines.append(f"| {r['arch']} | {r['case']} | {r['s_per_step']:.3f} | {r['s_per_step'] / base[r['arch']]:.2f} |")
-    lines += ["", "The alignment term at the initial weights, RAD forward in bf16 (`rad_precision: train`) against "
+    lines += ["", ("The alignment term at the initial weights, RAD forward in bf16 (`rad_precision: train`) against "
               "float32, next to the SSL loss's own bf16-vs-fp32 gradient error and the 128-image minibatch term's "
-              "gap to the full one (cosine similarity of the flattened gradients; 1 = same direction):", "",
-              "| encoder | term fp32 | term bf16 | relative difference | cos(term bf16, fp32) | cos(SSL loss bf16, fp32) "
-              "| cos(minibatch-128 term, full) |", "|---|---|---|---|---|---|---|"]
+              "gap to the full one (cosine similarity of the flattened gradients; 1 = same direction):"), "",
+              ("| encoder | term fp32 | term bf16 | relative difference | cos(term bf16, fp32) | cos(SSL loss bf16, fp32) "
+              "| cos(minibatch-128 term, full) |"), "|---|---|---|---|---|---|---|"]
     for e in results["term_error"]:
         if "note" in e:
             lines.append(f"| {e['arch']} | {e['note']} | | | | | |")

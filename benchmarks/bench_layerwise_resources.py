@@ -50,19 +50,25 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import flwr  # noqa: E402
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+import flwr
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
-from fedssl_wire import from_array_record, to_array_record  # noqa: E402
-from server_app.experiment import load_experiment  # noqa: E402
-from ssl_models.accounting import forward_flops, training_step_flops  # noqa: E402
-from ssl_models.data.splits import federated_split, load_experiment_data  # noqa: E402
-from ssl_models.factory import build_ssl_model, reset_target_from_online, split_state, state_to_numpy  # noqa: E402
-from ssl_models.federated.layerwise import (IMAGE_SHAPE, RepresentationAligner, build_layerwise_model,  # noqa: E402
-                                            configure_local_model, resource_account, stage_rounds)
-from strategies import get_strategy_class  # noqa: E402
-from strategies.layerwise import entry_bytes  # noqa: E402
+from fedssl_wire import from_array_record, to_array_record
+from server_app.experiment import load_experiment
+from ssl_models.accounting import forward_flops, training_step_flops
+from ssl_models.data.splits import federated_split, load_experiment_data
+from ssl_models.factory import build_ssl_model, reset_target_from_online, split_state, state_to_numpy
+from ssl_models.federated.layerwise import (
+    IMAGE_SHAPE,
+    RepresentationAligner,
+    build_layerwise_model,
+    configure_local_model,
+    resource_account,
+    stage_rounds,
+)
+from strategies import get_strategy_class
+from strategies.layerwise import entry_bytes
 
 RESULTS = REPO / "benchmarks" / "results"
 MIB = 2**20
@@ -422,12 +428,12 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     batch = results["batch"]
     sched = results["schedule"]
     lines = [
-        f"# Layer-wise FedSSL client resources: FedMoCoV3 vs LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD "
-        f"({results['date']})", "",
-        f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
+        (f"# Layer-wise FedSSL client resources: FedMoCoV3 vs LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD "
+        f"({results['date']})"), "",
+        (f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
         f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {results['cpu_count']} cores (another job "
-        f"shared them; no figure here is a time). Total run time {results['total_s']:.0f} s.", "",
-        f"Schedule and model: the paper configs (`configs/lwfedssl/*.yaml`): ViT-Tiny/4 width 1.0 "
+        f"shared them; no figure here is a time). Total run time {results['total_s']:.0f} s."), "",
+        (f"Schedule and model: the paper configs (`configs/lwfedssl/*.yaml`): ViT-Tiny/4 width 1.0 "
         f"({results['encoder_parameters']:,} encoder parameters), {len(sched)} stages x {sched[0]} rounds = "
         f"{sum(sched)} rounds, 10 clients in every round, 3 local epochs, MoCo v3 heads hidden 4096 / out 256 "
         f"({results['heads_parameters']:,} head parameters, about 4x the encoder), AdamW. **Batch {batch}** for "
@@ -437,23 +443,23 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         f"global copy's forward for the alignment term. Memory: analytic (parameters + buffers + gradients + AdamW "
         f"state + saved activations, LW-FedSSL's global copy included), not a device peak. Bytes: Flower's "
         f"`ArrayRecord.count_bytes()` of the messages the strategies build. How each figure is obtained: the "
-        f"script's docstring.", "",
+        f"script's docstring."), "",
         "What travels per client and round (as measured by running the strategies, section 4):", "",
         "| variant | trains on the client | down | up |", "|---|---|---|---|",
         "| FedMoCoV3 | all 12 blocks, embeddings, norm, heads | everything | everything |",
-        "| LW-FedSSL | block s + final norm + heads (+ embeddings at s = 1), + alignment to the global copy | "
-        "blocks 1..s + embeddings + norm + heads (calibration changed them all) | block s + norm + heads |",
-        "| FedMoCo-LW, FLL+DD | as LW-FedSSL without alignment (FLL+DD: each frozen block skipped with p = 0.5) | "
+        ("| LW-FedSSL | block s + final norm + heads (+ embeddings at s = 1), + alignment to the global copy | "
+        "blocks 1..s + embeddings + norm + heads (calibration changed them all) | block s + norm + heads |"),
+        ("| FedMoCo-LW, FLL+DD | as LW-FedSSL without alignment (FLL+DD: each frozen block skipped with p = 0.5) | "
         "block s + norm + heads; at a stage start also block s-1 (its last aggregate; at s = 2 the embeddings "
-        "too) | block s + norm + heads |",
+        "too) | block s + norm + heads |"),
         "| Prog-FedSSL | blocks 1..s, embeddings, norm, heads | the whole sub-model | the whole sub-model |", "",
         "## 1. Summary per client", "",
-        f"Memory at batch {batch}; peak = maximum over stages (what a client must hold), mean = over the "
+        (f"Memory at batch {batch}; peak = maximum over stages (what a client must hold), mean = over the "
         f"{sum(sched)} rounds. FLOPs per sample of one local step, GFLOP. Bytes over the whole run, GB (10^9), "
-        "encoder (`backbone.*`) and heads (projector + predictor) apart.", "",
-        "| variant | peak memory MiB | mean memory MiB | activations in the peak | GFLOP fwd+bwd max | mean | "
+        "encoder (`backbone.*`) and heads (projector + predictor) apart."), "",
+        ("| variant | peak memory MiB | mean memory MiB | activations in the peak | GFLOP fwd+bwd max | mean | "
         "fvcore-eq. mean | fvcore-eq. no attention, mean | down encoder GB | up encoder GB | encoder total GB | "
-        "down heads GB | up heads GB | total with heads GB |",
+        "down heads GB | up heads GB | total with heads GB |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         x = s[v]
@@ -473,8 +479,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                      f"{lin['activations'] / MIB:,.1f} MiB at batch {lin['batch']} and "
                      f"{lin['activations_small'] / MIB:,.1f} MiB at {lin['batch_small']} (ratio {lin['ratio']:.3f} for "
                      f"a batch ratio of {lin['expected_ratio']:.0f}); the 'at batch b' figures below scale them so.")
-    lines += ["FLL+DD's memory and FLOPs are those of a step that skips nothing (its peak); its expected FLOPs "
-              "subtract the skipped frozen forwards at p = 0.5.", ""]
+    lines += [("FLL+DD's memory and FLOPs are those of a step that skips nothing (its peak); its expected FLOPs "
+              "subtract the skipped frozen forwards at p = 0.5."), ""]
 
     cols = VARIANTS[1:]
     lines += ["## 2. Ratios FedMoCoV3 / variant, against the paper", "",
@@ -506,8 +512,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     lines.append("")
 
     lines += ["## 3. Per stage (one client, one local step)", "",
-              f"GFLOP per sample, fwd + bwd (LW-FedSSL: of which the global copy's alignment forward, in brackets), "
-              f"and analytic memory in MiB at batch {batch} (saved activations in brackets).", "",
+              (f"GFLOP per sample, fwd + bwd (LW-FedSSL: of which the global copy's alignment forward, in brackets), "
+              f"and analytic memory in MiB at batch {batch} (saved activations in brackets)."), "",
               "| stage | " + " | ".join(f"{LABELS[v]} GFLOP" for v in VARIANTS) + " | "
               + " | ".join(f"{LABELS[v]} MiB" for v in VARIANTS) + " |",
               "|---" * (1 + 2 * len(VARIANTS)) + "|"]
@@ -525,9 +531,9 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
 
     lines += ["", "## 4. Encoder bytes per client and round, by stage (MiB)", "",
-              f"The heads add {results['heads_bytes_per_message'] / MIB:.2f} MiB each way in every round of every "
+              (f"The heads add {results['heads_bytes_per_message'] / MIB:.2f} MiB each way in every round of every "
               "variant. First = the stage's first round, later = each of its other rounds (simulated: the second "
-              "and third rounds of every stage sent the same bytes, for every variant).", "",
+              "and third rounds of every stage sent the same bytes, for every variant)."), "",
               "| stage | " + " | ".join(f"{LABELS[v]} down, first / later | {LABELS[v]} up" for v in cols) + " |",
               "|---" * (1 + 2 * len(cols)) + "|"]
     for i in range(len(sched)):
@@ -538,8 +544,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             cells.append(f"{p['later']['bytes_up_encoder'] / MIB:.2f}")
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     e = results["communication"]["fedmocov3"]["per_stage"][0]["later"]
-    lines += ["", f"FedMoCoV3: {e['bytes_down_encoder'] / MIB:.2f} MiB of encoder (+ "
-              f"{e['bytes_down_heads'] / MIB:.2f} MiB of heads) each way in every round.", ""]
+    lines += ["", (f"FedMoCoV3: {e['bytes_down_encoder'] / MIB:.2f} MiB of encoder (+ "
+              f"{e['bytes_down_heads'] / MIB:.2f} MiB of heads) each way in every round."), ""]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -565,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch = 8
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, flush=True)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # the strategies' per-round lines
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Messages outside a Flower run
     cfg = experiment("lwfedssl")

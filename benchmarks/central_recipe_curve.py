@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssl_models.config import ExperimentConfig  # noqa: E402
-from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
-from ssl_models.factory import build_augment, build_ssl_model  # noqa: E402
-from ssl_models.training import train_ssl  # noqa: E402
+from ssl_models.config import ExperimentConfig
+from ssl_models.evaluation.protocol import evaluate_backbone
+from ssl_models.factory import build_augment, build_ssl_model
+from ssl_models.training import train_ssl
 
 
 def main(argv: list[str] | None = None) -> int:

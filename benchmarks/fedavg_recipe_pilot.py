@@ -35,13 +35,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssl_models.config import ExperimentConfig  # noqa: E402
-from ssl_models.data.partition import dirichlet_partition, stratified_choice  # noqa: E402
-from ssl_models.evaluation.protocol import evaluate_backbone  # noqa: E402
-from ssl_models.factory import (  # noqa: E402
-    build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy)
-from ssl_models.training import train_ssl  # noqa: E402
-from strategies.aggregation import weighted_average  # noqa: E402 - the server's FedAvg (pure NumPy)
+from ssl_models.config import ExperimentConfig
+from ssl_models.data.partition import dirichlet_partition, stratified_choice
+from ssl_models.evaluation.protocol import evaluate_backbone
+from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.training import train_ssl
+from strategies.aggregation import weighted_average
 
 BYOL_CPU_HEADS = '{"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512, "momentum": 0.99}'
 

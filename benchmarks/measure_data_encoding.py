@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedssl_gpu import datapack  # noqa: E402
+from fedssl_gpu import datapack
 
 MIB = 2**20
 JPEG_QUALITIES = (75, 85, 90, 95)
@@ -107,15 +107,15 @@ def markdown(result: dict) -> str:
     limit_mib = result["part_limit_mib"]
     src = result["source"]
     lines = [f"# Data encoding for the GPU machine ({result['date']})", "",
-             f"Source `{src['name']}` ({src['train']} train + {src['test']} test images, {src['image_shape']} uint8; "
-             f"sha256 {src['sha256'][:16]}…, {src['bytes'] / MIB:.1f} MiB). Command: `{result['command']}`", "",
+             (f"Source `{src['name']}` ({src['train']} train + {src['test']} test images, {src['image_shape']} uint8; "
+             f"sha256 {src['sha256'][:16]}…, {src['bytes'] / MIB:.1f} MiB). Command: `{result['command']}`"), "",
              f"Machine: {result['machine']}.", "",
-             f"Parts at {limit_mib:g} MiB: counted from the real pack for `datapack` rows, else ceil(total / limit). "
+             (f"Parts at {limit_mib:g} MiB: counted from the real pack for `datapack` rows, else ceil(total / limit). "
              "Pixel differences are against the stored pixels (0..255); channel mean/std changes on the [0, 1] scale "
              "(largest over the three channels). Seconds: pack (encode, check, write) and unpack (check, decode, write "
-             "the .npz) for `datapack` rows, the compression alone otherwise.", "",
-             f"| encoding | total MiB | parts at {limit_mib:g} MiB | mean abs diff | max diff | PSNR dB | "
-             "Δ channel mean | Δ channel std | pack s | unpack s |",
+             "the .npz) for `datapack` rows, the compression alone otherwise."), "",
+             (f"| encoding | total MiB | parts at {limit_mib:g} MiB | mean abs diff | max diff | PSNR dB | "
+             "Δ channel mean | Δ channel std | pack s | unpack s |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['encoding']} | {r['mib']:.2f} | {r['parts']} | {r['mean_abs_diff']:.3f} | "
@@ -123,8 +123,8 @@ def markdown(result: dict) -> str:
                      f"{r['channel_mean_change_max']:.5f} | "
                      f"{r['channel_std_change_max']:.5f} | {fmt(r.get('encode_s'), '.1f', '')} | "
                      f"{fmt(r.get('unpack_s'), '.1f', '')} |")
-    lines += ["", f"The same JPEGs as stand-alone `.jpg` files (each with its own {result['jpeg_header_bytes']}-byte "
-              "header, which `datapack` stores once per part):", ""]
+    lines += ["", (f"The same JPEGs as stand-alone `.jpg` files (each with its own {result['jpeg_header_bytes']}-byte "
+              "header, which `datapack` stores once per part):"), ""]
     lines.append(", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in result["jpeg_files_bytes"].items()) + ".")
     lines += ["", "Re-encoding the stored pixels as JPEG (4:2:0, no other change) and decoding again:", "",
               "| quality | equal pixels | equal images | mean abs diff | max diff | PSNR dB |",
@@ -134,8 +134,8 @@ def markdown(result: dict) -> str:
                      f"{100 * r['equal_image_fraction']:.2f}% | {r['mean_abs_diff']:.3f} | {r['max_abs_diff']} | "
                      f"{fmt(r['psnr_db'], '.2f')} |")
     d = result["default"]
-    lines += ["", f"Default: `{d['encoding']}`, {d['parts']} part(s) of {', '.join(f'{m:.2f}' for m in d['part_mib'])} "
-              f"MiB at the {limit_mib:g} MiB limit, exact pixels; unpacked in {d['unpack_s']:.1f} s here.", ""]
+    lines += ["", (f"Default: `{d['encoding']}`, {d['parts']} part(s) of {', '.join(f'{m:.2f}' for m in d['part_mib'])} "
+              f"MiB at the {limit_mib:g} MiB limit, exact pixels; unpacked in {d['unpack_s']:.1f} s here."), ""]
     return "\n".join(lines)
 
 

@@ -32,10 +32,10 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ssl_models.data.augment import SSLAugment  # noqa: E402
-from ssl_models.methods import build_method  # noqa: E402
-from ssl_models.networks import build_backbone  # noqa: E402
-from ssl_models.training import cpu_has_fast_bf16, fast_path_for  # noqa: E402
+from ssl_models.data.augment import SSLAugment
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
+from ssl_models.training import cpu_has_fast_bf16, fast_path_for
 
 RESULTS = REPO / "benchmarks" / "results"
 HEADS = {"simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
@@ -75,7 +75,7 @@ def conv_gflops(dtype: torch.dtype, batch: int, channels: int, side: int, repeat
     for mode in ("forward", "forward+backward"):
         xg, wg = x.clone().requires_grad_(mode != "forward"), w.clone().requires_grad_(mode != "forward")
 
-        def run():
+        def run(xg=xg, wg=wg, mode=mode):
             y = torch.nn.functional.conv2d(xg, wg, padding=1)
             if mode != "forward":
                 y.backward(torch.ones_like(y))
@@ -121,9 +121,9 @@ def step_fn(model, augment, images, opt, fast: bool):
             if fp.channels_last:
                 v1 = v1.contiguous(memory_format=torch.channels_last)
                 v2 = v2.contiguous(memory_format=torch.channels_last)
-        with record_function("forward"):
-            with torch.autocast("cpu", dtype=fp.autocast_dtype or torch.float32, enabled=fp.autocast_dtype is not None):
-                loss = model.training_step(v1, v2)
+        with record_function("forward"), torch.autocast("cpu", dtype=fp.autocast_dtype or torch.float32,
+                                                         enabled=fp.autocast_dtype is not None):
+            loss = model.training_step(v1, v2)
         opt.zero_grad(set_to_none=True)
         with record_function("backward"):
             loss.backward()
@@ -207,18 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     fp32, fast = runs
     best = {k: max(v.values()) for k, v in limits.items()}
     lines = [f"# Where a training step's time goes ({record['date']})", "",
-             f"Command: `{command}`. torch {torch.__version__}, {args.threads} threads, CPU with native bf16: "
+             (f"Command: `{command}`. torch {torch.__version__}, {args.threads} threads, CPU with native bf16: "
              f"{record['native_bf16']}. {args.method} on a CIFAR ResNet-18 (width 1), batch {args.batch} x 2 views, "
-             "SGD; random images (the step's cost does not depend on their content).", "",
+             "SGD; random images (the step's cost does not depend on their content)."), "",
              "## The machine's matrix-product limits", "",
              "| dtype | 1024 | 2048 | 4096 | (GFLOP/s, square torch.mm) |", "|---|---|---|---|---|"]
     for dt, by_n in limits.items():
         lines.append(f"| {dt} | " + " | ".join(f"{by_n[n]:.0f}" for n in (1024, 2048, 4096)) + " | |")
     lines += ["", f"bf16 / fp32 best: {best['bfloat16'] / best['float32']:.2f}x.", "",
               "## The convolutions' limits", "",
-              f"One 3x3 convolution of each ResNet-18 shape at batch {convs['batch']} (both views), channels-last, "
+              (f"One 3x3 convolution of each ResNet-18 shape at batch {convs['batch']} (both views), channels-last, "
               "GFLOP/s counted as the direct convolution (a fp32 rate above the fp32 matrix-product limit means "
-              "the kernel does fewer operations than that count):", "",
+              "the kernel does fewer operations than that count):"), "",
               "| channels x side (layers) | fp32 fwd | bf16 fwd | fp32 fwd+bwd | bf16 fwd+bwd | bf16 / fp32 fwd+bwd |",
               "|---|---|---|---|---|---|"]
     for r in convs["shapes"]:
@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['channels']} x {r['side']} ({r['layers']}) | {f32['forward']:.0f} | {b16['forward']:.0f} | "
                      f"{f32['forward+backward']:.0f} | {b16['forward+backward']:.0f} | "
                      f"{b16['forward+backward'] / f32['forward+backward']:.2f}x |")
-    lines += ["", f"The step's 3x3 convolutions alone (forward + backward, weighted by layers): fp32 "
+    lines += ["", (f"The step's 3x3 convolutions alone (forward + backward, weighted by layers): fp32 "
               f"{convs['step_convs_s']['float32']:.3f} s, bf16 {convs['step_convs_s']['bfloat16']:.3f} s: "
-              f"**{convs['step_convs_ratio']:.2f}x**, the ceiling of a fast path whose time is convolutions.", "",
+              f"**{convs['step_convs_ratio']:.2f}x**, the ceiling of a fast path whose time is convolutions."), "",
               "## The step", "",
               "| | precision | s / step | GFLOP / step | achieved GFLOP/s | share of the dtype's matmul limit |",
               "|---|---|---|---|---|---|"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .timeline import timeline_metrics  # first: it marks when the app's own imports began
+
+# isort: split
 from . import placement
 
 # Before anything can initialise CUDA in this process (CUDA reads CUDA_VISIBLE_DEVICES once): a simulated client that
@@ -20,14 +22,32 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedssl_wire import (
+    CLIENT_STATE_RECORD,
+    KERNEL_RECORD,
+    MEMORY_STATE_KEY,
+    SIMILARITY_RECORD,
+    RoundStateStore,
+    RunStopped,
+    check_same_code,
+    from_array_record,
+    run_stopped,
+    to_array_record,
+)
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
-from fedssl_wire import (CLIENT_STATE_RECORD, KERNEL_RECORD, MEMORY_STATE_KEY, SIMILARITY_RECORD, RoundStateStore,
-                         RunStopped, check_same_code, from_array_record, run_stopped, to_array_record)
 
-from .tasks import (client_encoder_state, initial_kernel, kernel_round, layerwise_round, local_images, set_stop_check,
-                    similarity_round, train_local_ssl)
+from .tasks import (
+    client_encoder_state,
+    initial_kernel,
+    kernel_round,
+    layerwise_round,
+    local_images,
+    set_stop_check,
+    similarity_round,
+    train_local_ssl,
+)
 
 APP_IMPORTED_AT = time.time()
 app = ClientApp()
@@ -58,7 +78,7 @@ def where_this_runs(where: placement.Placement) -> ConfigRecord:
 
             info["ray-node"] = str(ray.get_runtime_context().get_node_id())
             info["node-ip"] = str(ray.util.get_node_ip_address())
-        except Exception:  # noqa: BLE001 - a description, never a reason to fail a round
+        except Exception:  # noqa: BLE001, S110 - a description, never a reason to fail a round
             pass
     return ConfigRecord(info)
 
@@ -220,7 +240,7 @@ def train(msg: Message, context: Context) -> Message:
     r = round_inputs(msg, context)
     config = r.config
     prefix = "rule-input."  # per-client values from the server for the download rule (FedEMA's lambda)
-    rule_inputs = {key[len(prefix):]: config[key] for key in config.keys() if key.startswith(prefix)}
+    rule_inputs = {key[len(prefix):]: config[key] for key in config if key.startswith(prefix)}
     result = train_local_ssl(
         r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
         server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
@@ -320,7 +340,7 @@ def train_layerwise(msg: Message, context: Context) -> Message:
     own blocks, train its active part, upload that part (``lw-*`` config keys: the round's plan)."""
     r = round_inputs(msg, context)
     config = r.config
-    plan = {key[len("lw-"):]: config[key] for key in config.keys() if key.startswith("lw-")}
+    plan = {key[len("lw-"):]: config[key] for key in config if key.startswith("lw-")}
     result = layerwise_round(
         r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
         server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]), plan=plan, log=r.log,

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import MutableMapping
 
 KEEP_RAY_GPU_MASK = "FEDSSL_KEEP_RAY_GPU_MASK"  # set to 1: a simulated client keeps the GPU mask Ray gave it
 NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the NVIDIA driver sees

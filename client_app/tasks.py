@@ -19,31 +19,52 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
+from fedssl_wire import RunStopped
+from ssl_models.accounting import analytic_training_memory, process_peak_rss_bytes, reset_peak_rss, training_step_flops
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.datasets import load_npz
-from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, reset_target_from_online, \
-    split_state, state_to_numpy
+from ssl_models.data.splits import client_images, images_digest, union_images
+from ssl_models.factory import (
+    build_augment,
+    build_ssl_model,
+    load_partial_state,
+    reset_target_from_online,
+    split_state,
+    state_to_numpy,
+)
+from ssl_models.federated.kernel_alignment import (
+    KernelAligner,
+    centred_kernel_norm,
+    client_kernel,
+    decode_kernel,
+    encode_kernel,
+    kernel_cka,
+    normalize_kernel,
+    rad_representations,
+    rad_term_flops,
+)
+from ssl_models.federated.layerwise import (
+    RepresentationAligner,
+    build_layerwise_model,
+    configure_local_model,
+    head_prefixes,
+    resource_account,
+    select,
+    trained_prefixes,
+)
+from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
-from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
-from ssl_models.federated.kernel_alignment import (KernelAligner, centred_kernel_norm, client_kernel, decode_kernel,
-                                                   encode_kernel, kernel_cka, normalize_kernel, rad_representations,
-                                                   rad_term_flops)
-from ssl_models.federated.similarity import client_similarity_payload, public_representations
-from ssl_models.accounting import (analytic_training_memory, process_peak_rss_bytes, reset_peak_rss,
-                                  training_step_flops)
-from ssl_models.federated.layerwise import (RepresentationAligner, build_layerwise_model, configure_local_model,
-                                            head_prefixes, resource_account, select, trained_prefixes)
-from ssl_models.data.splits import client_images, images_digest, union_images
 from ssl_models.training import TrainStats, fast_path_for, resolve_device, train_ssl
-from fedssl_wire import RunStopped
 
 ONLINE_ENCODER = ("backbone.", "projector.")
 PREDICTOR = ("predictor.",)
@@ -236,7 +257,7 @@ def resource_cache_file(key: tuple) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _accounting_digest() -> str:
-    import ssl_models.accounting as accounting
+    from ssl_models import accounting
 
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sorted(Path(accounting.__file__).parent.glob("*.py")):
@@ -394,7 +415,7 @@ def train_local_ssl(
         anchors = {k: torch.as_tensor(v).to(device) for k, v in global_state.items()}
         named = dict(method.named_parameters())
         params = {k: p for k, p in named.items() if k in anchors and p.requires_grad}
-        hook = lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper")  # noqa: E731
+        hook = lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper")
     stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
     method.cpu()
     shared, local = split_state(method, method.shared_prefixes(with_target=aggregate_target))

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER_DIR = REPO / "docker"
@@ -66,7 +67,7 @@ def app_requirements() -> list[str]:
 def sh(*argv: str, timeout: float = 600, check: bool = True, input: str | None = None,
        cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
-                          cwd=cwd, env=env or ENV, stdin=None if input is not None else subprocess.DEVNULL)
+                          cwd=cwd, env=env or ENV, stdin=None if input is not None else subprocess.DEVNULL, check=False)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:6])} ... failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     return proc
@@ -74,14 +75,14 @@ def sh(*argv: str, timeout: float = 600, check: bool = True, input: str | None =
 
 def compose_command() -> list[str] | None:
     """``docker compose`` (v2 plugin) when the CLI has it, else Compose v1's ``docker-compose``."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True, check=False).returncode == 0:
         return ["docker", "compose"]
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
 def engine_running() -> bool:
     return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], capture_output=True, timeout=60).returncode == 0
+        ["docker", "info"], capture_output=True, timeout=60, check=False).returncode == 0
 
 
 def engine_unavailable() -> str | None:
@@ -106,7 +107,7 @@ class Engine:
     log: Path
     proc: subprocess.Popen | None = None
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if engine_running():
             return self
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,7 @@ class WheelServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "WheelServer":
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
@@ -166,7 +167,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def image_info(ref: str) -> dict | None:
-    proc = subprocess.run(["docker", "image", "inspect", ref], capture_output=True, text=True, env=ENV)
+    proc = subprocess.run(["docker", "image", "inspect", ref], capture_output=True, text=True, env=ENV, check=False)
     return json.loads(proc.stdout)[0] if proc.returncode == 0 else None
 
 
@@ -175,7 +176,7 @@ def local_cpu_torch(wheels: Path) -> str | None:
     tmp = wheels / "probe"
     shutil.rmtree(tmp, ignore_errors=True)
     proc = subprocess.run(["python3", "-m", "pip", "download", "-q", "--no-deps", "--no-index", "-d", str(tmp),
-                           "torch"], capture_output=True, text=True, timeout=600)
+                           "torch"], capture_output=True, text=True, timeout=600, check=False)
     found = [p.name for p in tmp.glob("torch-*.whl")] if proc.returncode == 0 else []
     shutil.rmtree(tmp, ignore_errors=True)
     match = re.match(r"torch-([^-]+\+cpu)-", found[0]) if found else None
@@ -194,7 +195,7 @@ def apt_mirror() -> str:
             text = path.read_text()
         except OSError:
             continue
-        for uri in re.findall(r"^(?:deb\s+(?:\[[^\]]*\]\s+)?|URIs:\s*)(\S+)", text, re.M):
+        for uri in re.findall(r"^(?:deb\s+(?:\[[^\]]*\]\s+)?|URIs:\s*)(\S+)", text, re.MULTILINE):
             if "security" not in uri and uri.rstrip("/").endswith("debian"):
                 return uri
     return "http://deb.debian.org/debian"
@@ -218,7 +219,7 @@ def build(tag: str, *args: str, **kw) -> None:
     sh("docker", "build", "-q", "--force-rm", "--network", "host", "-t", tag, *args, **kw)
     after = image_info(tag)
     if before and after and before["Id"] != after["Id"]:
-        subprocess.run(["docker", "image", "rm", before["Id"]], capture_output=True, env=ENV)
+        subprocess.run(["docker", "image", "rm", before["Id"]], capture_output=True, env=ENV, check=False)
 
 
 def ensure_images(version: str | None = None, rebuild_app: bool = False) -> Images:
@@ -231,7 +232,7 @@ def ensure_images(version: str | None = None, rebuild_app: bool = False) -> Imag
         standin = any(STANDIN_LABEL in ((i.get("Config") or {}).get("Labels") or {}) for i in infos)
         out.flwr = "stand-in (built earlier, reused)" if standin else "official (present)"
     else:
-        pulled = all(subprocess.run(["docker", "pull", ref], capture_output=True, timeout=600, env=ENV).returncode == 0
+        pulled = all(subprocess.run(["docker", "pull", ref], capture_output=True, timeout=600, env=ENV, check=False).returncode == 0
                      for ref in official)
         out.flwr = "official (pulled)" if pulled else "stand-in"
     cpu_torch = local_cpu_torch(wheels)
@@ -280,7 +281,7 @@ def _debian_image() -> float:
             if p.is_file():
                 p.unlink()
     tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    imp = subprocess.run(["docker", "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, env=ENV)
+    imp = subprocess.run(["docker", "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, env=ENV, check=False)
     tar.wait()
     shutil.rmtree(root, ignore_errors=True)
     if imp.returncode != 0:
@@ -306,7 +307,7 @@ class Project:
     def __init__(self, name: str, files: list[Path], env: dict[str, str], cwd: Path) -> None:
         self.name, self.files, self.cwd = name, files, cwd
         self.env = {**ENV, **env}
-        self.base = [*compose_command(), "-p", name, *sum((["-f", str(f)] for f in files), [])]
+        self.base = [*compose_command(), "-p", name, *[arg for f in files for arg in ("-f", str(f))]]
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         return sh(*self.base, *args, timeout=timeout, check=check, cwd=self.cwd, env=self.env)
@@ -332,7 +333,7 @@ APP_UID = 49999  # the images' `app` user
 
 
 def script(name: str, *args) -> None:
-    proc = subprocess.run(["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"docker/{name} failed: {proc.stderr}")
 
@@ -365,7 +366,7 @@ class Cli:
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([self.exe, *args], capture_output=True, text=True, timeout=timeout, env=self.env,
-                              cwd=REPO, stdin=subprocess.DEVNULL)
+                              cwd=REPO, stdin=subprocess.DEVNULL, check=False)
 
     def register(self, pub: Path, wait_s: float = 120) -> None:
         deadline = time.monotonic() + wait_s
@@ -378,7 +379,7 @@ class Cli:
             time.sleep(2)
 
     def run(self, run_config: str, log: Path) -> subprocess.Popen:
-        out = open(log, "w")
+        out = open(log, "w")  # noqa: SIM115 - the child process's output: open as long as it runs
         return subprocess.Popen([self.exe, "run", str(REPO), self.name, "--stream", "--run-config", run_config],
                                 cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -200,11 +200,11 @@ def generate() -> str:
 
     missing: list[str] = []
     out = ["# Configuration reference", "",
-           "Generated from the code by `python docs/gen_reference.py` (`ssl_models/config.py` for the experiment, "
+           ("Generated from the code by `python docs/gen_reference.py` (`ssl_models/config.py` for the experiment, "
            "each method's and strategy's `default_options` for their options); edit the code's comments, not this "
            "page. Every key can be set in the YAML file, from a study's variant, or from the run config "
            "(`--run-config \"train.lr=0.1 strategy.options.mu=0.1\"`); lists only in YAML. "
-           "See [running experiments](../running.md) for how configs compose.", ""]
+           "See [running experiments](../running.md) for how configs compose."), ""]
     for title, lines in config_rows(ExperimentConfig, "", missing):
         out += [f"## `{title}`" if title != "top level" else "## Top level", "", *lines, ""]
     out += ["## Method options (`method.options`)", ""]

@@ -44,9 +44,10 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -82,7 +83,7 @@ class Plan:
     stages: tuple[str, ...] = STAGES
 
     @classmethod
-    def load(cls, path: str | Path, check_runs: bool = True) -> "Plan":
+    def load(cls, path: str | Path, check_runs: bool = True) -> Plan:
         """Read and check the plan; ``check_runs`` also resolves every run (needs ``flwr``: after the install)."""
         from .timeplan import Assumptions
 
@@ -128,10 +129,10 @@ class Plan:
         if "throughput" in plan.stages and str(t.get("scale", "paper")) not in ("paper", "tiny"):
             raise CampaignError(f"plan {path}: stages.throughput.scale: expected paper or tiny")
         compile_ = t.get("compile", True)
-        if not isinstance(compile_, bool):
-            if not isinstance(compile_, list) or not all(isinstance(m, str) for m in compile_):
-                raise CampaignError(f"plan {path}: stages.throughput.compile: expected true, false or a list of "
-                                    "method names")
+        if not isinstance(compile_, bool) and (not isinstance(compile_, list)
+                                               or not all(isinstance(m, str) for m in compile_)):
+            raise CampaignError(f"plan {path}: stages.throughput.compile: expected true, false or a list of "
+                                "method names")
         plan.throughput = {"scale": str(t.get("scale", "paper")), "compile": compile_, "steps": t.get("steps")}
         s = stages.get("paper-shape") or {}
         _only(s, {"studies", "set", "variants", "seeds"}, f"plan {path}: stages.paper-shape")
@@ -324,14 +325,14 @@ def install(bundle: Path, log: Callable[[str], None] = say) -> dict:
         log(f"installing {len(todo)} of the bundle's {len(wheels)} wheels (pip --no-index)")
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
                                "--disable-pip-version-check", "--no-warn-script-location", *map(str, todo)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise CampaignError(f"installing the bundle's wheels failed (exit {proc.returncode}):\n"
                                 + (proc.stdout + proc.stderr)[-2000:])
         importlib.invalidate_caches()
     flwr_pin = next((r.split("==", 1)[1] for r in manifest.get("roots", []) if r.startswith("flwr==")), None)
     probe = subprocess.run([sys.executable, "-c", "import flwr, sys; sys.stdout.write(flwr.__version__)"],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         raise CampaignError("flwr does not import after the install:\n" + probe.stderr[-1500:])
     if flwr_pin and probe.stdout.strip() != flwr_pin:
@@ -365,7 +366,7 @@ def check_device(device: str) -> dict:
         smi = shutil.which("nvidia-smi")
         if smi:
             q = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                               text=True)
+                               text=True, check=False)
             info["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
     else:
         import platform
@@ -442,7 +443,7 @@ def stage_correctness(ctx: Context, record: dict) -> str:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ctx.plan.pytest_args,
                "--junitxml", str(xml)]
         ctx.log("correctness: " + " ".join(cmd[2:]))
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(60, ctx.left_s))
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(60, ctx.left_s), check=False)
         (folder / "pytest.log").write_text(proc.stdout + proc.stderr)
         counts = _junit_counts(xml)
         ok = proc.returncode == 0 and not (ctx.plan.device == "cuda" and counts.get("skipped", 0))
@@ -571,7 +572,7 @@ def stage_paper_shape(ctx: Context, record: dict) -> str:
         with LoopbackDeployment(ctx.out / "deployments" / study.name, clients, allowed_roots=ctx.roots()) as dep:
             env = {**dep.cli_env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             folder.parent.mkdir(parents=True, exist_ok=True)
-            log = open(folder.parent / f"{study.name}.log", "a")
+            log = open(folder.parent / f"{study.name}.log", "a")  # noqa: SIM115 - the child process's output: open as long as it runs
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             cut = False
@@ -631,8 +632,8 @@ def write_report(out: Path, state: State, plan: Plan) -> Path:
     d = state.data
     dev = d.get("device", {})
     lines = [f"# Campaign `{plan.name}`", "",
-             f"Plan `{_rel(plan.path)}`; device {dev.get('name', '?')} ({dev.get('requested', '?')}); torch "
-             f"{dev.get('torch', '?')}, Python {dev.get('python', '?')}; flwr {d.get('install', {}).get('flwr', '?')}.",
+             (f"Plan `{_rel(plan.path)}`; device {dev.get('name', '?')} ({dev.get('requested', '?')}); torch "
+             f"{dev.get('torch', '?')}, Python {dev.get('python', '?')}; flwr {d.get('install', {}).get('flwr', '?')}."),
              ""]
     data = d.get("data") or {}
     if data:
@@ -668,10 +669,10 @@ def publish(out: Path, dest: Path = GPU_RESULTS) -> Path:
     if dev.get("requested") != "cuda":
         raise CampaignError(f"{out}: this campaign ran on {dev.get('requested', '?')}, not cuda: nothing to publish "
                             "as GPU figures")
-    lines = [f"GPU figures from the campaign (`{state.get('plan', '?')}`) on {dev.get('name', '?')} "
+    lines = [(f"GPU figures from the campaign (`{state.get('plan', '?')}`) on {dev.get('name', '?')} "
              f"({dev.get('memory_gib', '?')} GiB, driver {dev.get('driver', '?')}), torch {dev.get('torch', '?')} "
              f"(CUDA {dev.get('cuda_build', '?')}), Python {dev.get('python', '?')}, flwr "
-             f"{state.get('install', {}).get('flwr', '?')}", ""]
+             f"{state.get('install', {}).get('flwr', '?')}"), ""]
     lines += ["Commands, one per call: " + "; ".join(f"`{c['command']}` ({c['started']})" for c in state["calls"]),
               ""]
     correctness = state["stages"].get("correctness", {})

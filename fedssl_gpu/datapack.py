@@ -554,8 +554,8 @@ def unpack(parts, out_npz: Path) -> dict:
             if enc.kind == "lossless":
                 residual[s][lo:hi] = np.frombuffer(bz2.decompress(arrays[f"{s}.residual.bz2"].tobytes()),
                                                    np.uint8).reshape(x.shape)
-    for s in residual:
-        out[f"x_{s}"] += residual[s]  # uint8: modulo 256, as packed
+    for s, res in residual.items():
+        out[f"x_{s}"] += res  # uint8: modulo 256, as packed
     mismatched = [k for k, v in outputs.items()
                   if "sha256" in v and _sha256(np.ascontiguousarray(out[k])) != v["sha256"]]
     labels_bad = [k for k in mismatched if k.startswith("y_")]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 from fedssl_study.launcher import free_port, processes_with_env
 
@@ -63,7 +64,7 @@ class LoopbackDeployment:
         return {**self.env, "FLWR_HOME": str(self.cli_home)}
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.log", "w")
+        log = open(self.folder / f"{name}.log", "w")  # noqa: SIM115 - the child process's output: open as long as it runs
         proc = subprocess.Popen(argv, cwd=self.folder, env={**self.env, "FLWR_HOME": str(self.folder / name)},
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -103,7 +104,7 @@ class LoopbackDeployment:
         failed: the caller checks the run's ``summary.json``)."""
         return subprocess.run([console_script("flwr"), "run", str(app_dir), self.name, "--stream", "--run-config",
                                run_config], cwd=app_dir, env=self.cli_env, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)
 
     def logs_tail(self, chars: int = 1500) -> str:
         parts = []
@@ -135,7 +136,7 @@ class LoopbackDeployment:
                 pass
         self.procs.clear()
 
-    def __enter__(self) -> "LoopbackDeployment":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -34,9 +34,10 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -456,11 +457,11 @@ def throughput_markdown(record: dict[str, Any]) -> str:
                              f"(the matmul reaches {100 * mm['flops_per_s'] / peak['flops_per_s']:.0f} % of it)."
                              if peak else "; no tabulated bf16 peak for this device, so no MFU against one.")]
     if cuda:
-        lines += ["", f"fp32 settings as the project trains: cuDNN TF32 {s['cudnn_allow_tf32']}, matmul TF32 "
-                  f"{s['matmul_allow_tf32']}, cudnn.benchmark {s['cudnn_benchmark']}."]
+        lines += ["", (f"fp32 settings as the project trains: cuDNN TF32 {s['cudnn_allow_tf32']}, matmul TF32 "
+                  f"{s['matmul_allow_tf32']}, cudnn.benchmark {s['cudnn_benchmark']}.")]
     lines += ["", "## Summary", "",
-              "| method | model | batch | fp32 img/s | fast img/s | fast / fp32 | compiled img/s | fastest: TFLOP/s | "
-              f"MFU % | % of matmul | {memory_name} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              ("| method | model | batch | fp32 img/s | fast img/s | fast / fp32 | compiled img/s | fastest: TFLOP/s | "
+              f"MFU % | % of matmul | {memory_name} |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in record["methods"].values():
         runs = entry["runs"]
         best = runs.get(entry.get("fastest", ""), {})
@@ -474,16 +475,16 @@ def throughput_markdown(record: dict[str, Any]) -> str:
             f"{_num(best.get('flops_per_s'), '.3f', 1e12)} ({entry.get('fastest', '-')}) | "
             f"{_num(best.get('mfu_pct'), '.1f')} | {_num(best.get('matmul_util_pct'), '.1f')} | "
             f"{_mib(best.get(memory_key))} |")
-    lines += ["", "MFU: model FLOPs (both views' forward and backward, counted with `torch.utils.flop_counter`, "
+    lines += ["", ("MFU: model FLOPs (both views' forward and backward, counted with `torch.utils.flop_counter`, "
               "2 per multiply-add; not the augmentation or the optimizer) per second over the dense bf16 peak; "
-              "% of matmul: over the measured matrix product above."]
+              "% of matmul: over the measured matrix product above.")]
     for entry in record["methods"].values():
         lines += ["", f"## {entry['label']}: {entry['model']}, batch {entry['batch']}, {entry['optimizer']}", "",
-                  f"From `{entry['config']}`; {entry['parameters']:,} parameters ({entry['trainable_parameters']:,} "
+                  (f"From `{entry['config']}`; {entry['parameters']:,} parameters ({entry['trainable_parameters']:,} "
                   f"trained by the optimizer); {entry['flops_per_image'] / 1e9:.3f} GFLOP per image, "
-                  f"{entry['flops_per_step'] / 1e12:.4f} TFLOP per step.", "",
-                  f"| configuration | precision | img/s | x fp32 | ms / step | TFLOP/s | MFU % | % of matmul | "
-                  f"{memory_name} | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{entry['flops_per_step'] / 1e12:.4f} TFLOP per step."), "",
+                  (f"| configuration | precision | img/s | x fp32 | ms / step | TFLOP/s | MFU % | % of matmul | "
+                  f"{memory_name} | warm-up s |"), "|---|---|---|---|---|---|---|---|---|---|"]
         for name, run in entry["runs"].items():
             shown = {"fp32": "plain fp32", "fast": "fast path", "compiled": "fast path + torch.compile"}[name]
             if "error" in run:
@@ -497,8 +498,8 @@ def throughput_markdown(record: dict[str, Any]) -> str:
                 f"{_mib(run.get(memory_key))} | {run['warmup_s']:.1f} |")
         profile = entry.get("profile") or {}
         if profile.get("operators"):
-            lines += ["", f"Top operators of the fastest configuration ({profile['configuration']}), {profile['time']} "
-                      f"of {profile['steps']} profiled step(s): {profile['total_ms_per_step']:.2f} ms per step in all.",
+            lines += ["", (f"Top operators of the fastest configuration ({profile['configuration']}), {profile['time']} "
+                      f"of {profile['steps']} profiled step(s): {profile['total_ms_per_step']:.2f} ms per step in all."),
                       "", "| operator | ms / step | share % | calls / step |", "|---|---|---|---|"]
             lines += [f"| `{op['operator']}` | {op['ms_per_step']:.3f} | {op['share_pct']:.1f} | "
                       f"{op['calls_per_step']:g} |" for op in profile["operators"]]

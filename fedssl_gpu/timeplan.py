@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Assumptions:
     test_images: int  # images of the bundled test split
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any], where: str = "assumed") -> "Assumptions":
+    def from_mapping(cls, raw: Mapping[str, Any], where: str = "assumed") -> Assumptions:
         names = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - names)
         missing = sorted(names - set(raw))
@@ -127,5 +128,5 @@ def throughput_estimate(methods_flops: Mapping[str, float], steps: int, configur
 
 
 def format_seconds(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"

@@ -73,10 +73,11 @@ def study_main(argv: list[str] | None = None) -> int:
         print(report_study(folder))
         return 0
 
-    from .spec import load_study
+    from .spec import check_study_data, load_study
 
     try:
         study = load_study(args.study, parse_sets(args.set), seeds=args.seeds, variants=args.variants)
+        check_study_data(study)
     except ConfigError as exc:
         print(f"fedssl-study: {exc}", file=sys.stderr)
         return 2
@@ -90,6 +91,11 @@ def study_main(argv: list[str] | None = None) -> int:
         if not (Path(other) / "runs").is_dir():
             print(f"fedssl-study: --reuse {other}: not a study folder (no runs/ inside)", file=sys.stderr)
             return 2
+    from .estimate import StudyEstimator, clock
+
+    estimator = StudyEstimator(study, parse_sets(args.set))
+    to_do = [(v, s) for v, s in runs if not (run_folder(study_dir, v, s) / "summary.json").is_file()]
+    estimates = {(v, s): estimator.run(v, s) for v, s in to_do}
     if args.dry_run:
         from .runner import reusable_run
         from .spec import validate_experiment
@@ -102,7 +108,13 @@ def study_main(argv: list[str] | None = None) -> int:
                 tree["output_dir"] = str(folder)
                 source = reusable_run(validate_experiment(tree).to_dict(), [Path(d) for d in args.reuse])
                 state = f"to copy from {source}" if source else state
-            say(f"  {variant}, seed {seed}: {state} ({folder})")
+            estimate = estimates.get((variant, seed))
+            took = f", about {clock(estimate.seconds)}" if estimate is not None and state == "to run" else ""
+            say(f"  {variant}, seed {seed}: {state}{took} ({folder})")
+    if to_do:
+        say(estimator.source_line())
+        say(estimator.total_line(list(estimates.values())))
+    if args.dry_run:
         return 0
     from .launcher import Launcher
     from .report import report_study
@@ -131,6 +143,15 @@ def app_run_config_keys(app_dir: Path) -> set[str]:
 
     with (Path(app_dir) / "pyproject.toml").open("rb") as fh:
         return set(flatten_dict(tomllib.load(fh)["tool"]["flwr"]["app"]["config"]))
+
+
+def check_data_here(cfg) -> None:
+    """The experiment's data checks (it loads, it splits, it can be scored: ``ssl_models.data.preflight``) made on
+    this machine before anything starts, when its data is here (a data set the server is to download is not)."""
+    from ssl_models.data.preflight import check_experiment_data, data_is_local
+
+    if data_is_local(cfg):
+        check_experiment_data(cfg)
 
 
 def closest(key: str, known: set[str]) -> str:
@@ -177,6 +198,7 @@ def run_main(argv: list[str] | None = None) -> int:
             os.chdir(app_dir)  # relative config paths resolve as the ServerApp resolves them
             cfg, _ = load_experiment({k: v for k, v in given.items() if k != "output-dir"})
             num_clients = cfg.federation.num_clients
+            check_data_here(cfg)
         except ConfigError as exc:
             print(f"fedssl-run: {exc}", file=sys.stderr)
             return 2
@@ -229,7 +251,7 @@ def run_status(flwr: str, run_id: int, connection: str | None) -> str | None:
     cmd = [flwr, "ls", *([connection] if connection else []), "--run-id", str(run_id), "--format", "json"]
     for _ in range(10):  # the SuperLink records the end a moment after the stream closes
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
             runs = json.loads(out[out.index("{"):]).get("runs", [])
         except (subprocess.TimeoutExpired, ValueError, OSError):
             runs = []

@@ -211,7 +211,7 @@ class Launcher:
 
     def _call(self, args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
         return subprocess.run(args, cwd=self.app_dir, env=self.env, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
 
     def submit(self, run_config: str, num_supernodes: int | None = None) -> int:
         """Start a run; returns its id. ``num_supernodes`` sizes the private simulation (ignored on a connection
@@ -301,7 +301,7 @@ def flwr_run(run_config: str, flwr_home: Path, timeout_s: float = 600, federatio
         cmd += ["--federation-config", federation_config]
     try:
         return subprocess.run(cmd, cwd=app_dir, env=env, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)
     finally:
         kill_processes_with_env("FLWR_HOME", str(flwr_home))
 

@@ -25,9 +25,10 @@ import csv
 import io
 import json
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from server_app.provenance import config_hash
 
@@ -137,7 +138,7 @@ def read_run(folder: Path, variant: str | None = None, seed: int | None = None) 
     if variant is None:
         name = str(summary.get("name") or folder.name)
         suffix = f"-seed{cfg.get('seed')}"
-        variant = name[: -len(suffix)] if name.endswith(suffix) else name
+        variant = name.removesuffix(suffix)
     return RunData(folder, str(variant), int(seed if seed is not None else info.get("seed", cfg.get("seed", 0))),
                    summary, rounds)
 
@@ -250,11 +251,11 @@ def alignment_lines(runs: list[RunData], order: list[str]) -> list[str]:
     if not lines:
         return []
     return ["<!-- --8<-- [start:alignment] -->", "",
-            "Alignment: the clients' mean CKA(K_k, K_bar) on the whole RAD per round, before -> after local training "
+            ("Alignment: the clients' mean CKA(K_k, K_bar) on the whole RAD per round, before -> after local training "
             "(mean over the row's seeds); the mean within-round change; the rounds in which it fell; the clients' "
-            "raw ||H K H||_F per architecture, first -> last round.", "",
-            "| row | CKA to K_bar per round, before -> after training | mean change | rounds it fell "
-            "| kernel norm (first -> last round) |", "|---|---|---|---|---|", *lines, "",
+            "raw ||H K H||_F per architecture, first -> last round."), "",
+            ("| row | CKA to K_bar per round, before -> after training | mean change | rounds it fell "
+            "| kernel norm (first -> last round) |"), "|---|---|---|---|---|", *lines, "",
             "<!-- --8<-- [end:alignment] -->"]
 
 
@@ -364,17 +365,17 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
         lines += ["Commands, in the order they ran into this folder:", ""] + [f"- `{c}`" for c in commands] + [""]
     if runs:
         lines += ["<!-- --8<-- [start:scale] -->",
-                  f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
+                  (f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
                   "Accuracies in %; mean ± sample standard deviation over the row's seeds (no ± with one seed); "
-                  "gain = linear probe minus the same seed's random-init encoder, in points.",
+                  "gain = linear probe minus the same seed's random-init encoder, in points."),
                   "<!-- --8<-- [end:scale] -->", ""]
     # the table and its notes between snippet markers: a docs page includes them with "report.md:table"
     lines += ["<!-- --8<-- [start:table] -->", "",
-              "| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
-              "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |",
+              ("| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
+              "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
-        def num(key: str, digits: int = 1) -> str:
+        def num(key: str, digits: int = 1, f: dict = f) -> str:
             return "-" if f.get(key) is None else f"{f[key]:,.{digits}f}"
 
         lines.append(f"| {f['row']} | {f['seeds']} | {fmt(f['linear_probe_mean'], f['linear_probe_std'])} | "
@@ -387,8 +388,8 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
     if notes:
         lines += ["", "Within their seed spread (not ranked):", ""] + [f"- {n}" for n in notes]
     if any(r.client_flops is None and r.config.get("strategy", {}).get("name") == "heterossfl" for r in runs):
-        lines += ["", "Client TFLOP \"-\": a Hetero-SSFL run recorded before its alignment term's RAD passes were "
-                  "counted (its record holds the SSL steps' FLOPs only)."]
+        lines += ["", ("Client TFLOP \"-\": a Hetero-SSFL run recorded before its alignment term's RAD passes were "
+                  "counted (its record holds the SSL steps' FLOPs only).")]
     if missing:
         lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
     lines += ["", "<!-- --8<-- [end:table] -->"]

@@ -28,15 +28,15 @@ import shutil
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
-from .launcher import LaunchError, Launcher
 from server_app.provenance import config_hash, git_state
 
+from .launcher import Launcher, LaunchError
 from .report import study_commands, study_record
 from .spec import Study, slug, validate_experiment
 

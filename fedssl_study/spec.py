@@ -22,9 +22,10 @@ line naming the variant and the key.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from server_app.provenance import config_hash  # noqa: F401 - the reports' grouping key
 from ssl_models.config import ConfigError, load_config_tree, merge_config, read_yaml_mapping
@@ -138,3 +139,27 @@ def validate_experiment(tree: Mapping[str, Any]):
     from ssl_models.config import ExperimentConfig
 
     return check_components(ExperimentConfig.from_dict(tree))
+
+
+def check_study_data(study: Study) -> int:
+    """The data checks of every run (``ssl_models.data.preflight``: the data loads, splits and can be scored) made
+    before the first run starts, once per distinct data, split and evaluation setting (the seed draws the split).
+    Raises ConfigError naming the variant, its seed and the setting; returns the number of distinct checks made."""
+    import json
+
+    from ssl_models.data.preflight import check_experiment_data, data_is_local
+
+    seen: set[str] = set()
+    for variant, seed in study.runs():
+        cfg = study.experiment(variant, seed)
+        resolved = cfg.to_dict()
+        key = json.dumps([resolved["data"], resolved["eval"], cfg.federation.num_clients, cfg.seed], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            if data_is_local(cfg):
+                check_experiment_data(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants.{variant} (seed {seed}): {exc}") from None
+    return len(seen)

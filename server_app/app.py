@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import atexit
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from logging import ERROR, INFO
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,25 +17,39 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
+from fedssl_wire import (
+    RunStopped,
+    clear_run_stopped,
+    code_mismatch_reason,
+    from_array_record,
+    mark_run_stopped,
+    readable_reason,
+    to_array_record,
+)
 from ssl_models.config import ConfigError, ExperimentConfig
+from ssl_models.data.preflight import CheckedData, check_experiment_data
+from ssl_models.data.splits import eval_subset_seeds
+from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.evaluation.protocol import evaluate_backbone
 from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.data.splits import eval_subset_seeds, eval_subsets, federated_split, load_experiment_data
 from ssl_models.training import resolve_device
 from strategies import get_strategy_class
 from strategies.fedssl import ModelToEvaluate
-from strategies.replies import CodeMismatchStop
 from strategies.nodes import query_partitions
-from fedssl_wire import (RunStopped, clear_run_stopped, code_mismatch_reason, from_array_record, mark_run_stopped,
-                         readable_reason, to_array_record)
+from strategies.replies import CodeMismatchStop
 
+from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
 from .experiment import APP_DIR, DEFAULT_CONFIG, load_experiment, output_dir_for, resolve_config_path
 from .paths import allowed_roots, confine
 from .provenance import provenance
-from .checkpoint import Checkpoint, load_latest_checkpoint, save_checkpoint
-from .results import (ResultsWriter, client_device_summary, client_size_notes, devices_note, trained_client_sizes,
-                      unused_output_dir)
+from .results import (
+    ResultsWriter,
+    client_device_summary,
+    client_size_notes,
+    devices_note,
+    trained_client_sizes,
+    unused_output_dir,
+)
 
 app = ServerApp()
 
@@ -88,11 +103,11 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
 class ServerEvaluator:
     """The fixed evaluation protocol on the server's labelled data (kNN monitor, final linear probe)."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentConfig, checked: CheckedData | None = None) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.eval.device)
-        data = load_experiment_data(cfg)
-        train_idx, test_idx = eval_subsets(cfg, data)
+        checked = checked or check_experiment_data(cfg)
+        data, train_idx, test_idx = checked.data, checked.eval_train_idx, checked.eval_test_idx
         self.x_train, self.y_train = data.x_train[train_idx], data.y_train[train_idx]
         self.x_test, self.y_test = data.x_test[test_idx], data.y_test[test_idx]
         self.num_classes = data.num_classes
@@ -194,7 +209,7 @@ def random_init_entries(scores: dict[str, Any], by_model: dict[str, dict[str, An
     gains: dict[str, list[float]] = {"knn": [], "linear_probe": []}
     for name, arch in model_archs.items():
         own = by_model.get(name, scores)
-        for key in gains:
+        for key in gains:  # noqa: PLC0206 - the key names the score; the list is appended to below
             gain = _gain(own.get(f"{key}_acc"), reference[arch][f"{key}_acc"])
             if name in by_model:
                 by_model[name][f"{key}_gain_over_random"] = gain
@@ -335,6 +350,8 @@ def main(grid: Grid, context: Context) -> None:
                 confine(cfg.data.path, "data.path", roots)
             if not resume:
                 confine(output_dir_for(cfg), "output-dir", roots)
+        # The data loads, splits and can be scored: checked before the output folder exists and any client trains.
+        checked = check_experiment_data(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         log(ERROR, "Invalid experiment configuration: %s", exc)
         raise
@@ -386,7 +403,7 @@ def main(grid: Grid, context: Context) -> None:
 
     register_stop_handler(on_exit)
     try:
-        _run(grid, cfg, given, started, out_dir, writer, run_id=context.run_id, checkpoint=checkpoint)
+        _run(grid, cfg, given, started, out_dir, writer, checked, run_id=context.run_id, checkpoint=checkpoint)
     except Exception as exc:
         if not writer.stopped:  # stop_run already wrote the reason of an expected failure
             say(f"stopped: {type(exc).__name__}: {exc}")
@@ -400,15 +417,11 @@ def main(grid: Grid, context: Context) -> None:
         atexit.unregister(on_exit)  # (Flower's own list keeps it: on_exit does nothing once the run has finished)
 
 
-def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter, *,
-         run_id: int, checkpoint: Checkpoint | None) -> None:
+def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter,
+         checked: CheckedData, *, run_id: int, checkpoint: Checkpoint | None) -> None:
     say = writer.progress
-    # Data and partition first, before anything waits on clients, so a bad path or split fails at once.
-    with stop_run(say, "cannot load the data set", FileNotFoundError, ValueError):
-        data = load_experiment_data(cfg)
-    with stop_run(say, f"cannot partition the data (data.partition={cfg.data.partition})", ValueError):
-        split = federated_split(cfg, data.y_train)
-    sizes = [len(idx) for idx in split.client_idx]
+    data, split = checked.data, checked.split  # loaded, split and checked before the output folder was made
+    sizes = checked.client_sizes
     say(f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
         f"server public split {len(split.public_idx)}")
     size_noted: set[int] = set()  # clients named for training on other data than the server's split gives them
@@ -428,7 +441,7 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
     state_run = str(checkpoint.meta["state_run"]) if checkpoint is not None else str(run_id)
     elapsed_before = float(checkpoint.meta.get("elapsed_s", 0.0)) if checkpoint is not None else 0.0
     strategy.state_run = state_run
-    evaluator = ServerEvaluator(cfg)
+    evaluator = ServerEvaluator(cfg, checked)
     initial_model = build_ssl_model(cfg, seed=cfg.seed)
     shared, _ = split_state(initial_model, strategy.exchange_prefixes(initial_model))
     initial = to_array_record(state_to_numpy(shared))

@@ -8,12 +8,13 @@ empty string, meaning "keep the YAML value". Any other value overrides the YAML.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
-from ssl_models.networks import available_backbones
 from ssl_models.methods import method_default_options
+from ssl_models.networks import available_backbones
 from strategies import get_strategy_class
 
 APP_DIR = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fedssl_wire import WIRE_VERSION, app_code_digest
 
@@ -56,7 +57,7 @@ def device_description(device: str | None = None) -> str:
 
         if (device in (None, "auto", "cuda") or str(device).startswith("cuda")) and torch.cuda.is_available():
             text += f"; GPU {torch.cuda.get_device_name(0)}"
-    except Exception:  # noqa: BLE001 - a description, never a reason to fail
+    except Exception:  # noqa: BLE001, S110 - a description, never a reason to fail
         pass
     return text
 

@@ -15,8 +15,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 def _json_safe(value: Any) -> Any:

@@ -25,9 +25,10 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import yaml
@@ -220,13 +221,13 @@ class ExperimentConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ExperimentConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
         cfg = _build_dataclass(cls, data, prefix="")
         cfg.validate()
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "ExperimentConfig":
+    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
         """The experiment in ``path`` with its ``base`` chain resolved (``load_config_tree``), then ``overrides``
         (dotted keys) applied."""
         return cls.from_dict(merge_config(load_config_tree(path), overrides or {}))
@@ -238,7 +239,7 @@ class ExperimentConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ExperimentConfig":
+    def from_json(cls, text: str) -> ExperimentConfig:
         return cls.from_dict(json.loads(text))
 
     # ------------------------------------------------------------------ validation
@@ -543,7 +544,7 @@ def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             keys += leaf_keys(hint, f"{prefix}{f.name}.")
         elif hint not in (dict, list):
             keys.append(prefix + f.name)
@@ -569,7 +570,7 @@ def _build_dataclass(cls: type, data: Any, prefix: str):
         if name not in data:
             continue
         value, hint, key = data[name], hints[name], prefix + name
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build_dataclass(hint, value, key + ".")
         elif hint is list:
             if value is None:

@@ -13,10 +13,12 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .config import ExperimentConfig, validate_component_options
 from ssl_models.data.augment import SSLAugment
 from ssl_models.networks import build_backbone
+
+from .config import ExperimentConfig, validate_component_options
 from .methods import build_method, method_default_options
+from .methods.base import SSLMethod
 
 
 def method_options(cfg: ExperimentConfig) -> dict:
@@ -26,7 +28,7 @@ def method_options(cfg: ExperimentConfig) -> dict:
 
 
 def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None,
-                    **arch_options) -> torch.nn.Module:
+                    **arch_options) -> SSLMethod:
     """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
 
     The backbone normalises its input when the config says so (``augment.normalize``). ``arch_options`` go to
@@ -47,7 +49,8 @@ def build_augment(cfg: ExperimentConfig, image_size: int) -> SSLAugment:
 
 def split_state(method: torch.nn.Module, prefixes: tuple[str, ...]) -> tuple[OrderedDict, OrderedDict]:
     """(shared, local) state dicts of ``method``: keys starting with one of ``prefixes`` are shared."""
-    shared, local = OrderedDict(), OrderedDict()
+    shared: OrderedDict[str, torch.Tensor] = OrderedDict()
+    local: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, value in method.state_dict().items():
         (shared if key.startswith(prefixes) else local)[key] = value.detach().contiguous()
     return shared, local

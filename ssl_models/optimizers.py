@@ -16,7 +16,8 @@ the step (fp16 on CUDA), since the scaler keeps its own per-optimiser bookkeepin
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ class LocalOptimizer:
         if with_grad:
             self._update(with_grad, [p.grad for p in with_grad])
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         raise NotImplementedError
 
 
@@ -64,7 +65,7 @@ class SGD(LocalOptimizer):
             raise ValueError(f"momentum must be >= 0, got {momentum!r}")
         super().__init__(params, lr, weight_decay, momentum=float(momentum))
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         g = self.param_groups[0]
         if g["weight_decay"]:
             grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
@@ -92,7 +93,7 @@ class Adam(LocalOptimizer):
         super().__init__(params, lr, weight_decay, betas=tuple(map(float, betas)), eps=float(eps),
                          decoupled=bool(decoupled))
 
-    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         g = self.param_groups[0]
         lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
         if wd and g["decoupled"]:

@@ -19,14 +19,18 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ssl_models.data.augment import SSLAugment
 from ssl_models.optimizers import LocalOptimizer, build_local_optimizer
+
+if TYPE_CHECKING:
+    from ssl_models.methods.base import SSLMethod
 
 
 @dataclass
@@ -121,7 +125,7 @@ def optimizer_step(loss: torch.Tensor, optimizer: LocalOptimizer | torch.optim.O
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # type: ignore[arg-type]  # with a scaler, make_optimizer(lean=False): torch.optim
         scaler.update()
     else:
         loss.backward()
@@ -133,7 +137,7 @@ class CompiledStep:
     """``method.training_step`` through ``torch.compile(backend=...)``, falling back to the eager step for good
     the first time the compiled one raises (compilation happens on the first call, before any weight moves)."""
 
-    def __init__(self, method: torch.nn.Module, backend: str | None, log: Callable[[str], None] | None = None):
+    def __init__(self, method: SSLMethod, backend: str | None, log: Callable[[str], None] | None = None):
         self.eager = method.training_step
         self.backend = backend
         self.fallback: str | None = None
@@ -165,7 +169,7 @@ class CompiledStep:
 
 
 def train_ssl(
-    method: torch.nn.Module,
+    method: SSLMethod,
     images: np.ndarray | torch.Tensor,
     *,
     epochs: int,
@@ -236,7 +240,7 @@ def train_ssl(
                 v2 = v2.contiguous(memory_format=torch.channels_last)
             what = f"local SSL loss at epoch {epoch + 1} step {step + 1}"
 
-            def forward_backward_step() -> float:
+            def forward_backward_step(v1: torch.Tensor = v1, v2: torch.Tensor = v2, what: str = what) -> float:
                 with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
                                     enabled=fp.autocast_dtype is not None):
                     loss = step_fn(v1, v2)
@@ -253,7 +257,7 @@ def train_ssl(
                     value = forward_backward_step()
                 except FloatingPointError:
                     raise
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:
                     if not step_fn.active:
                         raise
                     step_fn.give_up(error)
@@ -265,7 +269,8 @@ def train_ssl(
             else:
                 value = forward_backward_step()
             if hasattr(method, "set_progress"):  # momentum schedules (MoCo v3) follow the local progress
-                method.set_progress((epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch))
+                method.set_progress(  # type: ignore[operator]  # hasattr-checked
+                    (epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch))
             method.after_optimizer_step()
             total_loss += value
             steps += 1

@@ -5,12 +5,12 @@ from __future__ import annotations
 from .central import Central
 from .fedema import FedEMA
 from .fedprox import FedProx
+from .fedssl import FedSSL
+from .fedu import FedU
 from .flesd import FLESD
 from .heterossfl import HeteroSSFL
 from .layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL
 from .local import Local
-from .fedssl import FedSSL
-from .fedu import FedU
 
 STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL, Central,
                                         LWFedSSL, FedMoCoLW, ProgFedSSL, FLLDD)}

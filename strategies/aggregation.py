@@ -6,7 +6,7 @@ Kept apart from the Strategy classes so the math can be tested against hand comp
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

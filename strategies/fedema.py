@@ -21,13 +21,13 @@ default, so memory stays flat with many clients).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
+from fedssl_wire import from_array_record
 from ssl_models.federated.model_merge import BN_STATS_MODES, autoscaler_lambda, l2_divergence
 from ssl_models.methods.base import ONLINE_PREFIXES
-from fedssl_wire import from_array_record
 
 from .fedssl import FedSSL
 from .options import check_choice, check_positive, check_unit
@@ -96,7 +96,7 @@ class FedEMA(FedSSL):
         return {"rule-input.server_lambda": lam} if self.server_sets_lambda and lam is not None else {}
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]):
-        arrays = super().aggregate(server_round, replies, clients)
+        arrays = cast(ArrayRecord, super().aggregate(server_round, replies, clients))  # FedSSL's average: not None
         if self.server_sets_lambda:
             new_global = None
             for reply, client in zip(replies, clients):
@@ -106,7 +106,8 @@ class FedEMA(FedSSL):
                 if self.options["divergence"] == "paper":
                     if new_global is None:
                         new_global = from_array_record(arrays)
-                    d = l2_divergence(new_global, from_array_record(reply.content["arrays"]), ONLINE_PREFIXES)
+                    d = l2_divergence(new_global, from_array_record(cast(ArrayRecord, reply.content["arrays"])),
+                                      ONLINE_PREFIXES)
                 else:
                     d = float(client["update_size"])  # the size of this first local update (EasyFL's d)
                 self.autoscaler_lambdas[pid] = autoscaler_lambda(float(self.options["tau"]), d)

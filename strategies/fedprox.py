@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import check_choice
 from .fedssl import FedSSL
+from .options import check_choice
 
 PROXIMAL_FORMS = ("paper", "code")
 

@@ -17,24 +17,34 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Callable, Iterable
+from typing import Any, cast
 
 import numpy as np
-
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+from fedssl_wire import (
+    CLIENT_STATE_MODES,
+    CLIENT_STATE_RECORD,
+    TRAIN_MESSAGE_TYPE,
+    DiskStateStore,
+    code_identity,
+    from_array_record,
+    readable_reason,
+    record_bytes,
+    to_array_record,
+)
 
 from .aggregation import sample_clients, weighted_average, weighted_mean
 from .nodes import client_timeline, send_and_receive, wait_for_partitions
 from .options import check_choice
 from .replies import ArraySpec, array_spec, arrays_problem, metrics_problem, screen_replies, size_problem
 from .resources import ClientResourceBook
-from fedssl_wire import (CLIENT_STATE_MODES, CLIENT_STATE_RECORD, TRAIN_MESSAGE_TYPE, DiskStateStore, code_identity,
-                         from_array_record, readable_reason, record_bytes, to_array_record)
 
 DEFAULT_MAX_REPLY_BYTES = 8 * 2**30  # a reply larger than this is refused (federation.max_reply_mb sets it)
 
@@ -229,6 +239,7 @@ class FedSSL(Strategy):
         problem = metrics_problem(content["metrics"], pid) or size_problem(content, self.max_reply_bytes)
         if problem:
             return problem
+        pid = cast(int, pid)  # metrics_problem: the reply's int partition-id is the node's client
         try:
             return arrays_problem(content, self.expected_reply_arrays(server_round, pid)) or \
                 self.check_reply_payload(server_round, pid, reply)
@@ -286,7 +297,7 @@ class FedSSL(Strategy):
         pid_of_node = {node: pid for pid, node in self.clients.items()}
         pid_of_message = {m.metadata.message_id: pid_of_node.get(m.metadata.dst_node_id)
                           for m in sent if getattr(m.metadata, "message_id", "")}  # ids: set when pushed
-        answered = {int(r.content["metrics"]["partition-id"]) for r in replies if not r.has_error()}
+        answered = {int(r.content["metrics"]["partition-id"]) for r in replies if not r.has_error()}  # type: ignore[arg-type]  # an int
         failed: dict[Any, str] = {}
         for r in replies:
             if r.has_error():
@@ -300,7 +311,7 @@ class FedSSL(Strategy):
                 failed[pid] = "no reply before the round timeout (federation.round_timeout_s)"
         return [{"id": pid, "reason": reason} for pid, reason in failed.items()]
 
-    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
+    def models_to_evaluate(self, arrays: ArrayRecord) -> Mapping[str, ModelToEvaluate]:
         """The encoders the server scores, by name: the global model (Min-Local scores every client's own)."""
         return {"global": ModelToEvaluate(self.cfg.model.arch, arrays)}
 
@@ -376,9 +387,11 @@ class FedSSL(Strategy):
                                           "num_clients": max(len(v) for v in keys.values())}
                                    for arch, keys in sorted(by_arch.items())}}
 
-    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
-        """The new global arrays from the successful replies: the example-weighted average."""
-        states = [from_array_record(r.content["arrays"]) for r in replies]
+    def aggregate(self, server_round: int, replies: list[Message],
+                  clients: list[dict[str, Any]]) -> ArrayRecord | None:
+        """The new global arrays from the successful replies: the example-weighted average (None in a strategy
+        without a global model: Local, Hetero-SSFL)."""
+        states = [from_array_record(cast(ArrayRecord, r.content["arrays"])) for r in replies]
         return to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
 
     @staticmethod
@@ -390,15 +403,15 @@ class FedSSL(Strategy):
         """Per-client facts of one reply, for metrics.jsonl; ``rule.*`` metrics (what the client's
         download rule did: FedEMA's mu and divergence, FedU's predictor switch) and ``res.*`` metrics (its FLOPs,
         memory and peak RSS) are added without their prefix."""
-        m = reply.content["metrics"]
-        record = {
+        m: Mapping[str, Any] = reply.content["metrics"]  # a MetricRecord: numbers
+        record: dict[str, Any] = {
             "id": int(m["partition-id"]),
             "loss": float(m["train_loss"]),
             "num_examples": int(m["num-examples"]),
             "train_s": float(m["train_s"]),
             "bytes_up": self.payload_bytes(reply.content),
         }
-        for key in m.keys():
+        for key in m:
             for prefix in ("rule.", "res."):  # what the download rule did; the client's resource figures
                 if key.startswith(prefix):
                     record[key[len(prefix):]] = m[key]
@@ -408,7 +421,7 @@ class FedSSL(Strategy):
         where = reply.content.config_records.get("client-info")
         if where is not None:
             record.update({key.replace("-", "_"): where[key] if isinstance(where[key], int) else str(where[key])
-                           for key in where.keys()})
+                           for key in where})
         timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
         if timeline:
             record["timeline_s"] = timeline

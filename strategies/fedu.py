@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from .fedema import DIVERGENCES
-from .options import check_choice, check_positive
 from .fedssl import FedSSL
+from .options import check_choice, check_positive
 
 
 class FedU(FedSSL):

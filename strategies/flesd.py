@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import time
 from logging import INFO
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 
-from ssl_models.federated.distillation import QUEUE_WARMUPS, build_key_encoder, distill
-from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.federated.similarity import ENCODING_MODES, SPARSIFY_VARIANTS, TOPK, ensemble_similarity, payload_kind
+from fedssl_wire import SIMILARITY_MESSAGE_TYPE, SIMILARITY_RECORD, from_array_record, to_array_record
 from ssl_models.data.splits import images_digest, public_images
+from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.federated.distillation import QUEUE_WARMUPS, build_key_encoder, distill
+from ssl_models.federated.similarity import ENCODING_MODES, SPARSIFY_VARIANTS, TOPK, ensemble_similarity, payload_kind
 from ssl_models.training import resolve_device
 
-from .options import check_choice, check_positive, check_unit
 from .fedssl import FedSSL
-from fedssl_wire import SIMILARITY_MESSAGE_TYPE, SIMILARITY_RECORD, from_array_record, to_array_record
+from .options import check_choice, check_positive, check_unit
+
+if TYPE_CHECKING:
+    from torch import nn
 
 PUBLIC_SOURCES = ("split", "client0")
 KEY_ENCODERS = ("carry_over", "fresh_each_round")
@@ -97,7 +100,7 @@ class FLESD(FedSSL):
         self.public_digest = images_digest(self.public)
         self.device = resolve_device(cfg.train.device)
         self.model = build_ssl_model(cfg, seed=cfg.seed)
-        self.key_encoder = None  # the momentum encoder (carried over between rounds unless fresh_each_round)
+        self.key_encoder: nn.Module | None = None  # the momentum encoder (carried over between rounds unless fresh_each_round)
         # The local augmentation recipe (the experiment's ``augment`` section) makes the distillation's views.
         self.augment = build_augment(cfg, int(self.public.shape[1]))
         self.distill_stats: dict[int, dict[str, Any]] = {}
@@ -135,7 +138,7 @@ class FLESD(FedSSL):
         n = len(self.public)
         t0 = time.perf_counter()
         # Decoded one upload at a time: the server holds the running ensemble plus one client's matrix.
-        payloads = (from_array_record(r.content[SIMILARITY_RECORD]) for r in replies)
+        payloads = (from_array_record(cast(ArrayRecord, r.content[SIMILARITY_RECORD])) for r in replies)
         ensemble = ensemble_similarity(payloads, float(o["target_temperature"]), sparsify=o["sparsify"], n=n)
         ensemble_s = time.perf_counter() - t0
         load_partial_state(self.model, from_array_record(self._global))

@@ -30,26 +30,44 @@ transport, the streaming average, the local alignment term).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from logging import INFO, WARNING
-from typing import Any, Iterable
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fedssl_wire import (
+    CLIENT_STATE_RECORD,
+    ENCODER_QUERY_MESSAGE_TYPE,
+    KERNEL_MESSAGE_TYPE,
+    KERNEL_QUERY_MESSAGE_TYPE,
+    KERNEL_RECORD,
+    DiskStateStore,
+    from_array_record,
+    record_bytes,
+    to_array_record,
+)
 from ssl_models.data.splits import images_digest, public_images
-from ssl_models.federated.kernel_alignment import (BN_MODES, KERNEL_FUNCTIONS, KERNEL_NORMALIZATIONS, KERNEL_WEIGHTS,
-                                                   RAD_PRECISIONS, REFRESH_MODES, REPRESENTATIONS, average_kernels,
-                                                   check_kernel_payload, encode_kernel)
+from ssl_models.federated.kernel_alignment import (
+    BN_MODES,
+    KERNEL_FUNCTIONS,
+    KERNEL_NORMALIZATIONS,
+    KERNEL_WEIGHTS,
+    RAD_PRECISIONS,
+    REFRESH_MODES,
+    REPRESENTATIONS,
+    average_kernels,
+    check_kernel_payload,
+    encode_kernel,
+)
 from ssl_models.federated.similarity import ENCODING_MODES, TOPK
 
 from .fedssl import FedSSL, ModelToEvaluate
 from .nodes import send_and_receive
 from .options import check_choice, check_positive, check_unit
-from fedssl_wire import (CLIENT_STATE_RECORD, ENCODER_QUERY_MESSAGE_TYPE, KERNEL_MESSAGE_TYPE, KERNEL_QUERY_MESSAGE_TYPE,
-                         KERNEL_RECORD, DiskStateStore, from_array_record, record_bytes, to_array_record)
 
 META_ROUND = "meta.round"
 META_EXAMPLES = "meta.num_examples"
@@ -64,8 +82,8 @@ class StoredEncoders(Mapping):
 
     def __getitem__(self, name: str) -> ModelToEvaluate:
         pid = int(name[len("client_"):]) if name.startswith("client_") and name[len("client_"):].isdigit() else None
-        state = self.store.load(pid) if pid in self.archs else None
-        if state is None:
+        state = self.store.load(pid) if pid is not None and pid in self.archs else None
+        if pid is None or state is None:
             raise KeyError(name)
         return ModelToEvaluate(self.archs[pid], to_array_record(state))
 
@@ -217,7 +235,7 @@ class HeteroSSFL(FedSSL):
 
     # ------------------------------------------------------------------ kernels
     def query_clients(self, grid: Grid, server_round: int, pids: list[int], message_type: str,
-                      group: str) -> Iterator[tuple[int | None, Message]]:
+                      group: str) -> Iterator[tuple[int | None, Message | None]]:
         """Send ``message_type`` (a query: no training) to the clients ``pids``, ``eval_query_batch`` at a time, and
         yield (partition id, reply) as replies arrive (id None for an error reply); a client that does not answer
         in time yields (pid, None)."""
@@ -238,7 +256,7 @@ class HeteroSSFL(FedSSL):
                 if reply.has_error():
                     yield None, reply
                     continue
-                pid = int(reply.content["metrics"]["partition-id"])
+                pid = int(reply.content["metrics"]["partition-id"])  # type: ignore[arg-type]  # an int
                 answered.add(pid)
                 yield pid, reply
             for pid in chunk:
@@ -253,7 +271,7 @@ class HeteroSSFL(FedSSL):
         for pid, reply in self.query_clients(grid, 0, sorted(pids), KERNEL_QUERY_MESSAGE_TYPE, "initial-kernels"):
             if reply is None or reply.has_error():
                 reason = reply.error.reason if reply is not None else "no reply"
-                if "public set mismatch" in reason:  # a client on another RAD would poison K_bar
+                if "public set mismatch" in (reason or ""):  # a client on another RAD would poison K_bar
                     raise RuntimeError(f"initial kernels: {reason}")
                 failed.append({"id": pid, "reason": reason})
                 continue
@@ -261,10 +279,11 @@ class HeteroSSFL(FedSSL):
             if reason is not None:
                 failed.append({"id": pid, "reason": reason})
                 continue
-            up += record_bytes(reply.content[KERNEL_RECORD])
-            self.store_kernel(pid, from_array_record(reply.content[KERNEL_RECORD]), 0,
-                              max(1, self.num_examples.get(pid, 1)))
-            norms[str(pid)] = float(reply.content["metrics"]["align.kernel_norm"])
+            assert pid is not None  # a reply without error names its client
+            kernel = cast(ArrayRecord, reply.content[KERNEL_RECORD])
+            up += record_bytes(kernel)
+            self.store_kernel(pid, from_array_record(kernel), 0, max(1, self.num_examples.get(pid, 1)))
+            norms[str(pid)] = float(reply.content["metrics"]["align.kernel_norm"])  # type: ignore[arg-type]  # a float
         for f in failed:
             log(WARNING, "initial kernels: client %s gave none (%s)", f["id"], f["reason"])
         if self.kernel_info:
@@ -279,7 +298,7 @@ class HeteroSSFL(FedSSL):
         """Keep each client's new kernel on disk, then form the next K_bar over the latest kernel of every
         client. Returns None: there is no global model."""
         for reply, client in zip(replies, clients):
-            self.store_kernel(client["id"], from_array_record(reply.content[KERNEL_RECORD]), server_round,
+            self.store_kernel(client["id"], from_array_record(cast(ArrayRecord, reply.content[KERNEL_RECORD])), server_round,
                               client["num_examples"])
             self.trained[client["id"]] = self.trained.get(client["id"], 0) + 1
         t0 = time.perf_counter()
@@ -287,12 +306,12 @@ class HeteroSSFL(FedSSL):
         self._kbar_stats.setdefault(server_round, {}).update(
             kernel_average_s=time.perf_counter() - t0, kernels_stored=len(self.kernel_info),
             kernel_store_mib=self.kernels.size_bytes() / 2**20)
-        return None
 
     def _stored_kernels(self) -> Iterable[tuple[dict, float]]:
         """(payload, weight) of every client's latest kernel, read from disk one at a time."""
         for pid in sorted(self.kernel_info):
             payload = self.kernels.load(pid)
+            assert payload is not None  # kernel_info lists the stored kernels
             weights_by_size = self.options["kernel_weights"] == "data_size"
             weight = float(self.kernel_info[pid]["num_examples"]) if weights_by_size else 1.0
             yield {k: v for k, v in payload.items() if not k.startswith("meta.")}, weight
@@ -350,7 +369,7 @@ class HeteroSSFL(FedSSL):
         record = super().client_record(reply)
         record["arch"] = self.cfg.client_arch(record["id"])
         m = reply.content["metrics"]
-        for key in m.keys():
+        for key in m:
             if key.startswith("align."):
                 record[key[len("align."):]] = m[key]
         return record
@@ -374,6 +393,7 @@ class HeteroSSFL(FedSSL):
         pids = sorted(self.trained)
         up = 0
         failed: list[dict[str, Any]] = []
+        pid: int | None  # None: with an error reply (query_clients)
         if self.server_store is not None:  # the server holds every client's state already: nothing to send
             for pid in pids:
                 state = self.server_store.load(pid) or {}
@@ -387,8 +407,10 @@ class HeteroSSFL(FedSSL):
                 elif reply.has_error():
                     failed.append({"node": reply.metadata.src_node_id, "reason": reply.error.reason})
                 else:
-                    up += record_bytes(reply.content["arrays"])
-                    self.encoders.save(pid, from_array_record(reply.content["arrays"]))
+                    assert pid is not None  # a reply without error names its client
+                    encoder = cast(ArrayRecord, reply.content["arrays"])
+                    up += record_bytes(encoder)
+                    self.encoders.save(pid, from_array_record(encoder))
                     self.fetched[pid] = self.cfg.client_arch(pid)
         for f in failed:
             log(WARNING, "round %d: encoder query failed (%s); its last fetched encoder, if any, is scored",

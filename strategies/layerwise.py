@@ -44,28 +44,52 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from logging import INFO
-from typing import Any, Iterable
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fedssl_wire import (
+    LAYERWISE_MESSAGE_TYPE,
+    entry_nbytes,
+    from_array_record,
+    record_bytes,
+    record_manifest,
+    record_names,
+    to_array_record,
+)
 from ssl_models.data.splits import public_images
-from ssl_models.federated.layerwise import (ALLOCATIONS, LR_STRATEGIES, NEW_BLOCK_INITS, StagePosition,
-                                            build_layerwise_model, calibrate, configure_local_model,
-                                            grow_online_state, head_prefixes, is_encoder_key, online_state,
-                                            resource_account, round_lr, select, stage_of_round, stage_rounds,
-                                            state_depth, submodel_prefixes, trained_prefixes)
 from ssl_models.factory import load_partial_state
+from ssl_models.federated.layerwise import (
+    ALLOCATIONS,
+    LR_STRATEGIES,
+    NEW_BLOCK_INITS,
+    StagePosition,
+    build_layerwise_model,
+    calibrate,
+    configure_local_model,
+    grow_online_state,
+    head_prefixes,
+    is_encoder_key,
+    online_state,
+    resource_account,
+    round_lr,
+    select,
+    stage_of_round,
+    stage_rounds,
+    state_depth,
+    submodel_prefixes,
+    trained_prefixes,
+)
 from ssl_models.training import resolve_device
 
 from .aggregation import weighted_average
 from .fedssl import FedSSL, ModelToEvaluate
-from .replies import array_spec
 from .options import check_choice, check_positive, check_unit
-from fedssl_wire import (LAYERWISE_MESSAGE_TYPE, entry_nbytes, from_array_record, record_bytes, record_manifest,
-                         record_names, to_array_record)
+from .replies import array_spec
 
 CLIENT_TARGETS = ("reset", "keep")
 BYTE_KEYS = ("bytes_down", "bytes_up", "bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads")
@@ -208,6 +232,7 @@ class LayerwiseFedSSL(FedSSL):
         self._bump(self.global_state)
 
     def _grow(self, server_round: int) -> None:
+        assert self.global_state is not None
         depth = self.depth
         grown = grow_online_state(self.cfg, self.global_state, str(self.options["new_block_init"]),
                                   seed=self.seed * 7_919 + depth + 1)
@@ -221,6 +246,7 @@ class LayerwiseFedSSL(FedSSL):
     def download_keys(self, partition_id: int, depth: int) -> list[str]:
         """What the client gets this round: the entries it trains, and every entry whose current global version it
         does not hold (all of them for a client the server knows nothing about)."""
+        assert self.global_state is not None
         trained = set(self.trained_keys(depth))
         held = self.client_versions.get(partition_id, {})
         return [k for k in self.global_state if k in trained or held.get(k) != self.key_version[k]]
@@ -242,6 +268,7 @@ class LayerwiseFedSSL(FedSSL):
                         grid: Grid) -> Iterable[Message]:
         if self.global_state is None:
             self._init_global(arrays)
+        assert self.global_state is not None
         pos = self.position(server_round)
         self._positions[server_round] = pos
         while self.depth < pos.stage:
@@ -253,7 +280,7 @@ class LayerwiseFedSSL(FedSSL):
         down = self._down.setdefault(server_round, {})
         for m in messages:
             pid = pid_of_node[m.metadata.dst_node_id]
-            record = m.content["arrays"]
+            record = cast(ArrayRecord, m.content["arrays"])
             encoder, heads = entry_bytes(record)
             names = record_names(record)
             blocks = sorted({int(k.split(".")[2]) + 1 for k in names if k.startswith("backbone.blocks.")})
@@ -262,6 +289,7 @@ class LayerwiseFedSSL(FedSSL):
         return messages
 
     def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
+        assert self.global_state is not None
         keys = self.download_keys(partition_id, self.depth)
         self._sent_versions.setdefault(server_round, {})[partition_id] = {k: self.key_version[k] for k in keys}
         return to_array_record(OrderedDict((k, self.global_state[k]) for k in keys))
@@ -278,10 +306,11 @@ class LayerwiseFedSSL(FedSSL):
         return {"arrays": self._reply_spec[server_round]}
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
+        assert self.global_state is not None
         expected = self.trained_keys(self.depth)
         states = []
         for r, c in zip(replies, clients):
-            state = from_array_record(r.content["arrays"])
+            state = from_array_record(cast(ArrayRecord, r.content["arrays"]))
             if set(state) != set(expected):
                 extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
                 raise RuntimeError(f"round {server_round}: client {c['id']} uploaded other entries than the stage-"
@@ -332,10 +361,10 @@ class LayerwiseFedSSL(FedSSL):
     def client_record(self, reply: Message) -> dict[str, Any]:
         record = super().client_record(reply)
         m = reply.content["metrics"]
-        for key in m.keys():
+        for key in m:
             if key.startswith("lw."):
                 record[key[len("lw."):]] = m[key]
-        encoder, heads = entry_bytes(reply.content["arrays"])
+        encoder, heads = entry_bytes(cast(ArrayRecord, reply.content["arrays"]))
         record.update(bytes_up_encoder=encoder, bytes_up_heads=heads)
         record.update(self._down.get(self._reply_round, {}).get(record["id"], {}))
         return record
@@ -430,6 +459,7 @@ class LayerwiseFedSSL(FedSSL):
     def end_to_end_reference(self) -> dict[str, Any]:
         """One end-to-end client step (FedMoCoV3) on the final-depth model: what every layer-wise saving is
         measured against. Batch: the largest one a client trained with."""
+        assert self.global_state is not None
         batch = int(self.resources["run"].get("mem_batch_max") or self.cfg.train.batch_size)
         method = build_layerwise_model(self.cfg, self.depth, seed=self.cfg.seed)
         load_partial_state(method, self.global_state)
@@ -472,7 +502,8 @@ class LWFedSSL(LayerwiseFedSSL):
         _check_non_negative(options, "alpha")
         check_positive(options, "align_temperature")
         if not isinstance(options["align_symmetric"], bool):
-            raise ValueError(f"strategy.options.align_symmetric: must be true or false (got {options['align_symmetric']!r})")
+            raise ValueError(  # noqa: TRY004 - a config error, as a ValueError
+                f"strategy.options.align_symmetric: must be true or false (got {options['align_symmetric']!r})")
         if options["calibration_epochs"] is not None:
             _check_int(options, "calibration_epochs", 0)
         _check_non_negative(options, "calibration_lr")
@@ -506,6 +537,7 @@ class LWFedSSL(LayerwiseFedSSL):
             log(INFO, "LW-FedSSL auxiliary data for calibration: %d server-held images (labels unused)", len(self.aux))
 
     def _calibrate(self, server_round: int) -> None:
+        assert self.global_state is not None and self.aux is not None  # calibrates: the server holds images
         o = self.options
         pos = self._positions[server_round]
         lr = float(o["calibration_lr"]) or self.round_lr(server_round)

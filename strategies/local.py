@@ -7,12 +7,14 @@ server keeps the latest one per client on disk and reports each client's accurac
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, Message
 
-from .fedssl import FedSSL, ModelToEvaluate
 from fedssl_wire import DiskStateStore, from_array_record, to_array_record
+
+from .fedssl import FedSSL, ModelToEvaluate
 
 
 class Local(FedSSL):
@@ -42,7 +44,7 @@ class Local(FedSSL):
 
     def restore_state(self, plain, arrays, stores) -> None:
         super().restore_state(plain, arrays, stores)
-        self.started = set(int(p) for p in plain.get("started", []))
+        self.started = {int(p) for p in plain.get("started", [])}
         self.models.replace_with(stores["local-models"])
 
     def expected_reply_arrays(self, server_round, partition_id):
@@ -57,10 +59,10 @@ class Local(FedSSL):
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
         for reply, client in zip(replies, clients):
-            self.models.save(client["id"], from_array_record(reply.content["arrays"]))
-        return None  # no aggregation: there is no global model
+            self.models.save(client["id"], from_array_record(cast(ArrayRecord, reply.content["arrays"])))
+        # no aggregation: there is no global model
 
-    def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
+    def models_to_evaluate(self, arrays: ArrayRecord) -> Mapping[str, ModelToEvaluate]:
         out = {}
         for pid in sorted(self.clients):
             state = self.models.load(pid)

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Iterable
+from typing import Any
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedssl_wire import INFO_MESSAGE_TYPE, code_identity
-
-
 
 FIRST_POLL_S, MAX_POLL_S = 0.05, 1.0  # reply polling: quick at first, then backing off
 
@@ -31,13 +30,13 @@ def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float | N
     (a few requests per round on loopback). Grids without push/pull (test doubles) use their own method.
     ``arrivals``, if given, gets each reply's message id -> the epoch time the ServerApp pulled it."""
     if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        replies: list[Message] = list(grid.send_and_receive(messages, timeout=timeout))
         if arrivals is not None:
             arrivals.update((m.metadata.message_id, time.time()) for m in replies)
         return replies
     pending = set(grid.push_messages(messages))
     deadline = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
+    replies = []
     wait = FIRST_POLL_S
     while pending:
         got = list(grid.pull_messages(pending))
@@ -91,7 +90,7 @@ UNAVAILABLE_RETRY_S = 2.0
 
 
 def _unavailable(reply: Message) -> bool:
-    return reply.has_error() and (reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in reply.error.reason)
+    return reply.has_error() and (reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in (reply.error.reason or ""))
 
 
 def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
@@ -123,7 +122,8 @@ def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
 
 
 def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[NodeInfo, bool]]:
-    queries = [Message(RecordDict({"config": ConfigRecord(code_identity())}), dst_node_id=node,
+    identity: dict[str, Any] = code_identity()  # str and int values: what a ConfigRecord holds
+    queries = [Message(RecordDict({"config": ConfigRecord(identity)}), dst_node_id=node,
                        message_type=INFO_MESSAGE_TYPE)
                for node in nodes]
     replies = send_and_receive(grid, queries, timeout)
@@ -132,9 +132,10 @@ def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[Node
     for reply in replies:
         if reply.has_error():
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            out.append((NodeInfo(node, error=reply.error.reason), _unavailable(reply)))
+            out.append((NodeInfo(node, error=reply.error.reason or f"error code {reply.error.code}"), _unavailable(reply)))
             continue
-        m, info = reply.content["metrics"], reply.content.config_records.get("info")
+        m: Mapping[str, Any] = reply.content["metrics"]  # a MetricRecord: numbers
+        info = reply.content.config_records.get("info")
         out.append((NodeInfo(reply.metadata.src_node_id, int(m["partition-id"]), int(m["num-partitions"]),
                              str(info.get("host", "")) if info is not None else ""), False))
     return out

@@ -9,12 +9,12 @@ replaces each unusable one by a ``RejectedReply`` and stops the run when too few
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from logging import WARNING
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
-
 from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 

@@ -8,7 +8,8 @@ Plain dictionaries and numbers: no Flower type in here.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # Per-step client figures whose maxima per client and per run go to summary.json.
 RESOURCE_MAXIMA = ("flops_total", "flops_fvcore_equivalent", "mem_total", "mem_activations", "rss_peak_bytes")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedssl_study.launcher import (flwr_env, flwr_run, free_port, kill_processes_with_env,  # noqa: F401
-                                   processes_with_env, read_jsonl)
+from fedssl_study.launcher import flwr_env, flwr_run, free_port, kill_processes_with_env, processes_with_env, read_jsonl  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 

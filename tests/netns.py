@@ -14,10 +14,11 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 
 def _ip(*args: str) -> None:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
 
@@ -38,7 +39,7 @@ def namespaces_unavailable() -> str | None:
     except subprocess.CalledProcessError as exc:
         return f"cannot run a process in a network namespace: {exc.stderr.decode(errors='replace').strip()}"
     finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
 
 
@@ -65,7 +66,7 @@ class Network:
     def hosts(self) -> list[str]:
         return [self.hub, *self.spokes]
 
-    def create(self) -> "Network":
+    def create(self) -> Network:
         try:
             for host in self.hosts():
                 _ip("netns", "add", self.ns(host))
@@ -96,14 +97,14 @@ class Network:
     def destroy(self) -> None:
         """Delete the namespaces (their veth pairs go with them) and the hosts files; never raises."""
         for host in self.hosts():
-            subprocess.run(["ip", "netns", "del", self.ns(host)], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.ns(host)], capture_output=True, check=False)
             shutil.rmtree(Path("/etc/netns") / self.ns(host), ignore_errors=True)
 
     def run(self, host: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         """Run a command to completion inside a host's namespace."""
-        return subprocess.run(["ip", "netns", "exec", self.ns(host), *argv], **kwargs)
+        return subprocess.run(["ip", "netns", "exec", self.ns(host), *argv], **kwargs)  # noqa: PLW1510 - the caller's kwargs choose
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Self:
         return self.create()
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision.transforms.v2 as v2
 import torchvision.transforms.v2.functional as TF
+from torchvision.transforms import v2
 
 from ssl_models.data.augment import (
     SSLAugment,
@@ -27,7 +27,7 @@ from ssl_models.data.augment import (
 )
 from ssl_models.data.datasets import synthetic_dataset
 
-IDENTITY_KW = dict(crop_scale=(1.0, 1.0), jitter_p=0.0, grayscale_p=0.0, flip_p=0.0)
+IDENTITY_KW = {"crop_scale": (1.0, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0, "flip_p": 0.0}
 
 
 def random_uint8(num: int = 16, size: int = 32, seed: int = 0) -> torch.Tensor:

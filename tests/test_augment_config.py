@@ -134,7 +134,7 @@ def test_blur_equals_torchvision_per_sample_and_skips_unchosen_exactly():
 
 def test_augment_blur_p_switches_the_blur_and_keeps_the_no_blur_stream():
     images = torch.as_tensor(random_images(8, 16))
-    identity = dict(crop_scale=(1.0, 1.0), jitter_p=0.0, grayscale_p=0.0, flip_p=0.0)
+    identity = {"crop_scale": (1.0, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0, "flip_p": 0.0}
     plain = SSLAugment(image_size=16, **identity)(images, torch.Generator().manual_seed(0))
     off = SSLAugment(image_size=16, blur_p=0.0, **identity)(images, torch.Generator().manual_seed(0))
     assert torch.equal(plain, off)
@@ -224,12 +224,12 @@ def test_checkpoint_records_the_normalisation_and_fedssl_eval_rebuilds_it(tmp_pa
 
 
 def test_server_evaluator_and_flesd_server_use_the_configs_recipe_and_normalisation():
+    from fedssl_wire import to_array_record
     from server_app.app import ServerEvaluator
     from ssl_models.data.splits import federated_split, load_experiment_data
+    from ssl_models.factory import split_state, state_to_numpy
     from strategies.fedssl import ModelToEvaluate
     from strategies.flesd import FLESD
-    from fedssl_wire import to_array_record
-    from ssl_models.factory import split_state, state_to_numpy
 
     cfg = ExperimentConfig.from_dict({**TINY, "data": {**TINY["data"], "public_size": 16},
                                       "method": {"name": "simclr", "options": {"proj_hidden_dim": 16,
@@ -251,7 +251,7 @@ def test_server_evaluator_and_flesd_server_use_the_configs_recipe_and_normalisat
 
 
 def test_local_training_gets_the_configs_recipe(monkeypatch):
-    import client_app.tasks as tasks
+    from client_app import tasks
     from ssl_models.data.splits import client_images
 
     seen = {}

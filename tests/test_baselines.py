@@ -13,16 +13,16 @@ from flwr.app import ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.tasks import local_images
+from fedssl_wire import to_array_record
 from server_app.app import ServerEvaluator, random_init_entries
 from ssl_models.config import ExperimentConfig
+from ssl_models.data.datasets import subsample
 from ssl_models.data.splits import client_images, federated_split, load_experiment_data, union_images
 from ssl_models.evaluation import cli
 from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.evaluation.protocol import evaluate_backbone
-from ssl_models.data.datasets import subsample
 from ssl_models.networks import build_backbone
 from strategies import get_strategy_class
-from fedssl_wire import to_array_record
 
 
 @pytest.fixture(autouse=True)

@@ -94,7 +94,7 @@ def tiny_npz(src: Path, dest: Path, per_class_train: int = 60, per_class_test: i
     with np.load(src) as z:
         xs, ys, xt, yt = z["x_train"], z["y_train"], z["x_test"], z["y_test"]
         names = z["class_names"] if "class_names" in z.files else None
-    pick = lambda y, k: np.concatenate([np.flatnonzero(y == c)[:k] for c in range(10)])  # noqa: E731
+    pick = lambda y, k: np.concatenate([np.flatnonzero(y == c)[:k] for c in range(10)])
     tr, te = pick(ys, per_class_train), pick(yt, per_class_test)
     arrays = {"x_train": xs[tr], "y_train": ys[tr], "x_test": xt[te], "y_test": yt[te]}
     if names is not None:
@@ -109,16 +109,16 @@ def campaign(python: Path, app: Path, bundle: Path, out: Path, budget: float, *e
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
     return subprocess.run([str(python), "-m", "fedssl_gpu.campaign", "run", PLAN, "--bundle", str(bundle),
                            "--out", str(out), "--budget-s", str(budget), "--device", "cpu", *extra],
-                          cwd=app, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=app, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz):
-    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False).returncode != 0:
         skip_unless_required("pip is needed to build the bundle")
     python, have = make_target(tmp_path)
-    probe = subprocess.run([str(python), "-c", "import torch, numpy, yaml, grpc, pytest\n"
-                            "import importlib.util as u; print(u.find_spec('flwr'), u.find_spec('ray'))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run([str(python), "-c", ("import torch, numpy, yaml, grpc, pytest\n"
+                            "import importlib.util as u; print(u.find_spec('flwr'), u.find_spec('ray'))")],
+                           capture_output=True, text=True, check=False)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["None", "None"], "the simulated target must have neither flwr nor Ray"
 
@@ -126,7 +126,7 @@ def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz)
     bundle = tmp_path / "bundle"
     built = subprocess.run([sys.executable, "-m", "fedssl_gpu.bundle", "--have", str(have), "--data", str(data),
                             "--out", str(bundle), "--limit-mib", "60"], cwd=REPO, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, check=False)
     assert built.returncode == 0, built.stdout + built.stderr
     assert re.search(r"part-1\s+\d+\.\d+\s+\d+\.\d+\s+60", built.stdout), built.stdout  # the size table
     manifest = json.loads((bundle / "part-1" / "bundle.json").read_text())
@@ -147,8 +147,8 @@ def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz)
     assert "installing" in said and "(pip --no-index)" in said, said
     for stage in ("correctness", "throughput", "paper-shape"):
         assert re.search(rf"{stage}: skipped: needs ~\d+ s, -?\d+ s left", said), said
-    has_flwr = subprocess.run([str(python), "-c", "import flwr, importlib.util as u; print(flwr.__version__, "
-                               "u.find_spec('ray'))"], capture_output=True, text=True)
+    has_flwr = subprocess.run([str(python), "-c", ("import flwr, importlib.util as u; print(flwr.__version__, "
+                               "u.find_spec('ray'))")], capture_output=True, text=True, check=False)
     assert has_flwr.stdout.split() == [manifest["wheels"][[w["name"] for w in manifest["wheels"]].index("flwr")]
                                        ["version"], "None"], has_flwr.stdout + has_flwr.stderr
     state = json.loads((out / "campaign.json").read_text())

@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss, linear_cka,
-                                      linear_kernel, rbf_cka, rbf_kernel)
+from ssl_models.federated.cka import (
+    center_kernel,
+    cka,
+    feature_alignment_loss,
+    kernel_alignment_loss,
+    linear_cka,
+    linear_kernel,
+    rbf_cka,
+    rbf_kernel,
+)
 
 
 @pytest.fixture(scope="module")

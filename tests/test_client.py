@@ -6,13 +6,12 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
-from fedssl_wire import MEMORY_STATE_KEY
 from client_app.tasks import train_local_ssl
+from fedssl_wire import MEMORY_STATE_KEY, from_array_record, to_array_record
 from ssl_models.config import ExperimentConfig
-from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
 from ssl_models.data.splits import client_images
+from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
 from ssl_models.training import fast_path_for, resolve_device
-from fedssl_wire import from_array_record, to_array_record
 
 TINY = {
     "rounds": 2,
@@ -99,7 +98,7 @@ def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
         assert np.isfinite(m["train_loss"]) and m["train_s"] > 0
         # the precision the steps ran in, as the fast path chose it for this machine
         expected = fast_path_for(resolve_device(cfg.train.device), cfg.train.fast_path).precision
-        assert [k for k in m.keys() if k.startswith("precision.")] == [f"precision.{expected}"]
+        assert [k for k in m if k.startswith("precision.")] == [f"precision.{expected}"]
         assert set(from_array_record(reply.content["arrays"])) == set(g)
         local = from_array_record(ctx.state.array_records[MEMORY_STATE_KEY])
         assert int(local.pop("meta.last_round")[0]) == rnd

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import client_app.tasks as tasks
+from client_app import tasks
 from ssl_models.accounting import analytic_training_memory, training_step_flops
 from ssl_models.config import ExperimentConfig
 from ssl_models.factory import build_ssl_model

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 
-from fedssl_wire import (APP_DIGEST_KEY, CODE_MISMATCH, WIRE_VERSION, WIRE_VERSION_KEY, CodeMismatch,
-                         app_code_digest, check_same_code, code_identity)
+from fedssl_wire import (
+    APP_DIGEST_KEY,
+    CODE_MISMATCH,
+    WIRE_VERSION,
+    WIRE_VERSION_KEY,
+    CodeMismatch,
+    app_code_digest,
+    check_same_code,
+    code_identity,
+)
 from flwr_harness import REPO, flwr_env, kill_processes_with_env, read_jsonl
 from strategies.fedssl import FedSSL
 from strategies.replies import CodeMismatchStop
@@ -108,11 +116,11 @@ def test_a_run_on_a_superlink_started_in_another_checkout_stops_naming_both_dige
     try:
         # The first `flwr run` starts the local SuperLink in the other checkout (its run fails at once: no config).
         subprocess.run([flwr, "run", str(other), "--run-config", "config='no-such.yaml'"], cwd=other, env=env,
-                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
         out = tmp_path / "out"
         proc = subprocess.run([flwr, "run", str(REPO), "--stream", "--run-config",
                                f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}'"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
         log = (out / "progress.log").read_text() if (out / "progress.log").is_file() else ""
         stopped = [line for line in log.splitlines() if "stopped:" in line]
         assert stopped, (proc.stdout + proc.stderr)[-3000:]
@@ -174,7 +182,7 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
         proc = subprocess.run([str(bin_dir / "flwr"), "run", str(REPO), "dev", "--stream", "--run-config",
                                f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1"],
                               cwd=REPO, env={**base, "FLWR_HOME": str(cli_home)}, capture_output=True, text=True,
-                              timeout=600, stdin=subprocess.DEVNULL)
+                              timeout=600, stdin=subprocess.DEVNULL, check=False)
     finally:
         for p in procs:
             p.terminate()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import ssl_models.training as training
+from ssl_models import training
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.methods import SSLMethod
 from ssl_models.methods.losses import nt_xent_loss

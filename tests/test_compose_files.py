@@ -280,7 +280,7 @@ def compose_cli() -> tuple[str, ...] | None:
     """``docker compose`` (the plugin) if it works, else Debian's ``docker-compose``, else None."""
     if shutil.which("docker"):
         try:
-            if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20).returncode == 0:
+            if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20, check=False).returncode == 0:
                 return ("docker", "compose")
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -303,7 +303,7 @@ def script_argv(name: str, *args: str | Path) -> list[str]:
 
 
 def run_script(name: str, *args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run(script_argv(name, *args), cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(script_argv(name, *args), cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -315,7 +315,7 @@ def file_mode(path: Path) -> str:
 
 
 def openssl(*args: str | Path) -> str:
-    result = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, f"openssl {' '.join(map(str, args))} failed: {result.stderr}"
     return result.stdout
 
@@ -377,7 +377,7 @@ def node_config(c: Compose, service: str) -> dict:
     assert raw, f"{where(c, service)}: no --node-config"
     try:
         return parse_config_args([raw])
-    except Exception as err:  # click.ClickException or ValueError, as flower-supernode would exit
+    except Exception as err:  # noqa: BLE001 - click.ClickException or ValueError, as flower-supernode would exit
         pytest.fail(f"{where(c, service)}: --node-config {raw!r} does not parse: {err}")
 
 
@@ -523,7 +523,7 @@ def satisfies(version: str, requirement: str) -> bool:
     except ImportError:  # plain numeric comparison of each bound
         ops = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
                "<": operator.lt}
-        key = lambda v: tuple(int(n) for n in re.findall(r"\d+", v))  # noqa: E731
+        key = lambda v: tuple(int(n) for n in re.findall(r"\d+", v))
         bounds = re.findall(r"(>=|<=|==|!=|>|<)\s*([\w.]+)", requirement)
         return all(ops[op](key(version), key(bound)) for op, bound in bounds)
     return Requirement(requirement).specifier.contains(version, prereleases=True)
@@ -539,7 +539,7 @@ def pinned_flwr_version() -> str:
             f"{path.relative_to(REPO)}: FLWR_VERSION used without the ${{FLWR_VERSION:-X}} default"
         for version in defaults:
             found.setdefault(version, []).append(str(path.relative_to(REPO)))
-    args = re.findall(r"^ARG FLWR_VERSION=(\S+)\s*$", (DOCKER_DIR / "app.Dockerfile").read_text(), re.M)
+    args = re.findall(r"^ARG FLWR_VERSION=(\S+)\s*$", (DOCKER_DIR / "app.Dockerfile").read_text(), re.MULTILINE)
     assert len(args) == 1, f"docker/app.Dockerfile: expected one `ARG FLWR_VERSION=X`, found {args}"
     found.setdefault(args[0], []).append("docker/app.Dockerfile")
     assert len(found) == 1, f"more than one default Flower version: {found}"
@@ -607,7 +607,7 @@ def test_app_image_installs_project_dependencies(tmp_path):
 
     shutil.copy(REPO / source, tmp_path / "pyproject.toml")
     result = subprocess.run([sys.executable, "-c", code.replace(dest, str(tmp_path / "pyproject.toml"))],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, f"docker/app.Dockerfile: the requirement step fails: {result.stderr}"
     expected = [d for d in project_dependencies() if requirement_name(d) != "flwr"]
     assert result.stdout.splitlines() == expected, \
@@ -654,7 +654,7 @@ def test_make_certs_server_certificate(certs: Path):
     expected = {f"IP:{h}" if re.fullmatch(r"[\d.]+", h) else f"DNS:{h}" for h in SANS}
     assert entries == expected, f"docker/make-certs.sh: server.pem's SANs are {entries}, not {expected}"
     verify = subprocess.run(["openssl", "verify", "-purpose", "sslserver", "-CAfile", certs / "ca.crt",
-                             certs / "server.pem"], capture_output=True, text=True, timeout=60)
+                             certs / "server.pem"], capture_output=True, text=True, timeout=60, check=False)
     assert verify.returncode == 0, \
         f"docker/make-certs.sh: server.pem does not verify against ca.crt: {verify.stdout}{verify.stderr}"
     assert openssl("x509", "-noout", "-pubkey", "-in", certs / "server.pem") == \
@@ -720,7 +720,7 @@ def test_torch_layer_matches_pyproject():
     """docker/app.Dockerfile installs torch first (its own layer, kept when pyproject.toml changes): the same
     requirements as pyproject.toml's."""
     text = (DOCKER_DIR / "app.Dockerfile").read_text()
-    found = re.findall(r'^ARG TORCH_REQUIREMENTS="([^"]*)"', text, re.M)
+    found = re.findall(r'^ARG TORCH_REQUIREMENTS="([^"]*)"', text, re.MULTILINE)
     assert len(found) == 1, "docker/app.Dockerfile: expected one ARG TORCH_REQUIREMENTS=\"...\""
     expected = [d.replace(" ", "") for d in project_dependencies() if requirement_name(d) in ("torch", "torchvision")]
     assert found[0].split() == expected
@@ -735,7 +735,7 @@ def test_standin_images_follow_the_official_layout():
     for needle in ("--uid 49999", "python3 -m venv /python/venv", "ENV PATH=/python/venv/bin:$PATH", "USER app",
                    "WORKDIR /app", 'flwr==${FLWR_VERSION}'):
         assert needle in text, f"docker/standin/Dockerfile: no {needle!r}"
-    stages = dict(re.findall(r"^FROM base AS (\w+)\nENTRYPOINT \[\"([\w-]+)\"\]", text, re.M))
+    stages = dict(re.findall(r"^FROM base AS (\w+)\nENTRYPOINT \[\"([\w-]+)\"\]", text, re.MULTILINE))
     assert stages == {name: f"flower-{name}" for name in ("superlink", "supernode", "superexec")}, stages
     for name, program in stages.items():
         assert shutil.which(program), f"{program} (the {name} image's entrypoint) is not a Flower program"

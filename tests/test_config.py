@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from conftest import experiment_config_files, study_files
-
 from server_app.experiment import load_experiment, option_run_keys, overrides_from_run_config
 from ssl_models.config import ConfigError, ExperimentConfig, leaf_keys, validate_component_options
 
@@ -166,7 +165,7 @@ def write_yaml(path: Path, text: str) -> Path:
 def test_a_config_names_a_base_and_overrides_only_what_differs(tmp_path):
     write_yaml(tmp_path / "family" / "base.yaml", "name: b\nrounds: 7\ntrain: {lr: 0.5, batch_size: 16}\n"
                "strategy: {name: fedema, options: {tau: 0.7, mu_mode: autoscaler}}\n")
-    mid = write_yaml(tmp_path / "family" / "mid.yaml", "base: base.yaml\nname: m\ntrain: {lr: 0.25}\n")
+    write_yaml(tmp_path / "family" / "mid.yaml", "base: base.yaml\nname: m\ntrain: {lr: 0.25}\n")
     leaf = write_yaml(tmp_path / "runs" / "leaf.yaml",  # a chain, resolved relative to each file
                       "base: ../family/mid.yaml\nstrategy.options.tau: 0.5\nname: leaf\n")
     cfg = ExperimentConfig.from_yaml(leaf)

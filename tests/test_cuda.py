@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -109,7 +110,7 @@ def test_the_fast_path_trains_in_bf16_autocast_without_a_scaler_on_a_bf16_gpu():
 class CountingScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` that counts its calls: proof that the training loop stepped through it."""
 
-    made: list["CountingScaler"] = []
+    made: ClassVar[list[CountingScaler]] = []
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -162,7 +163,7 @@ def test_a_gpu_without_native_bf16_trains_in_fp16_through_a_gradient_scaler(monk
 def check_channels_last(device: str) -> None:
     """On the fast path the convolution weights and every convolution's output are channels-last; in plain fp32
     they are not (so the check can tell the two apart)."""
-    method, _, convs, _ = train_tiny(device, fast_path=True, steps=2)
+    _method, _, convs, _ = train_tiny(device, fast_path=True, steps=2)
     assert convs.outputs and set(convs.outputs) == set(convs.convs)
     assert all(channels_last for _, channels_last, _ in convs.outputs.values()), convs.outputs
     stem = next(iter(convs.outputs))  # the first convolution: 3 -> C channels at 32x32, so the formats differ
@@ -209,7 +210,7 @@ def check_augmentation_matches_the_cpu(device: str, atol: float) -> dict[str, fl
         worst[name] = 0.0
         for expected, got in zip(on_cpu, on_device):
             assert got.device.type == torch.device(device).type and got.dtype == torch.float32
-            torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
             worst[name] = max(worst[name], float((got.cpu() - expected).abs().max()))
     return worst
 

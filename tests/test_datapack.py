@@ -59,7 +59,7 @@ def assert_same_layout(out: dict, src: dict):
 
 
 def test_lossless_splits_into_small_parts_and_unpacks_exactly(source, lossless_parts, tmp_path):
-    path, src = source
+    _path, src = source
     assert len(lossless_parts) >= 3
     count = len(lossless_parts)
     for i, p in enumerate(lossless_parts, start=1):
@@ -107,7 +107,7 @@ def test_xz_is_exact(source, tmp_path):
 
 def test_lossless_is_smaller_than_the_jpeg_files_it_is_built_on(source, lossless_parts):
     """The shared JPEG header is stored once per part, not once per image."""
-    path, src = source
+    _path, src = source
     files = 0
     for img in np.concatenate([src["x_test"], src["x_train"]]):
         buf = io.BytesIO()

@@ -15,12 +15,12 @@ import yaml
 from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-import client_app.placement as placement
-import fedssl_study.launcher as launcher
 import server_app.app as server_module
 import server_app.results as results_module
+from client_app import placement
 from client_app.placement import DevicePlacementError, decide_client_device
 from conftest import REPO
+from fedssl_study import launcher
 from ssl_models.config import ExperimentConfig
 from test_server_app import MIN_LOCAL, ClientAppGrid
 
@@ -33,25 +33,25 @@ def decide(requested, *, mask=None, ray=False, gpus=0, cuda=False, keep=False):
 # ---------------------------------------------------------------------------------------------- the decision
 @pytest.mark.parametrize("requested, facts, device, unhide, reason", [
     # train.device: cpu is the CPU, whatever the machine has (the process is unmasked all the same: see unhide)
-    ("cpu", dict(gpus=1, cuda=True), "cpu", False, "train.device: cpu"),
-    ("cpu", dict(mask="", ray=True, gpus=1), "cpu", True, "train.device: cpu"),
+    ("cpu", {"gpus": 1, "cuda": True}, "cpu", False, "train.device: cpu"),
+    ("cpu", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "train.device: cpu"),
     # Ray gave the client 0 GPUs on a GPU machine: unhidden, shared, and the way to schedule it named
-    ("auto", dict(mask="", ray=True, gpus=1, cuda=True), "cuda", True, "client-resources-num-gpus=F"),
-    ("cuda", dict(mask="", ray=True, gpus=2, cuda=True), "cuda", True, "shared by every client running at once"),
+    ("auto", {"mask": "", "ray": True, "gpus": 1, "cuda": True}, "cuda", True, "client-resources-num-gpus=F"),
+    ("cuda", {"mask": "", "ray": True, "gpus": 2, "cuda": True}, "cuda", True, "shared by every client running at once"),
     # ... kept hidden on request: auto trains on the CPU and says why
-    ("auto", dict(mask="", ray=True, gpus=1, keep=True), "cpu", False, "FEDSSL_KEEP_RAY_GPU_MASK=1 keeps them hidden"),
+    ("auto", {"mask": "", "ray": True, "gpus": 1, "keep": True}, "cpu", False, "FEDSSL_KEEP_RAY_GPU_MASK=1 keeps them hidden"),
     # ... the unhiding came too late (CUDA started before the ClientApp's import)
-    ("auto", dict(mask="", ray=True, gpus=1), "cpu", True, "unhiding failed"),
+    ("auto", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "unhiding failed"),
     # Ray scheduled a GPU for the client (client-resources-num-gpus > 0)
-    ("auto", dict(mask="0", ray=True, gpus=1, cuda=True), "cuda", False, "Ray assigned GPU 0"),
+    ("auto", {"mask": "0", "ray": True, "gpus": 1, "cuda": True}, "cuda", False, "Ray assigned GPU 0"),
     # Ray's empty mask on a machine without GPUs is no hiding: the CPU, because there is no GPU
-    ("auto", dict(mask="", ray=True, gpus=0), "cpu", False, "no NVIDIA GPU on this machine"),
+    ("auto", {"mask": "", "ray": True, "gpus": 0}, "cpu", False, "no NVIDIA GPU on this machine"),
     # outside Ray (a deployed SuperNode, the tests): CUDA when torch can use it
-    ("auto", dict(gpus=1, cuda=True), "cuda", False, "CUDA available"),
-    ("cuda:1", dict(gpus=2, cuda=True), "cuda:1", False, "CUDA available"),
-    ("auto", dict(), "cpu", False, "no NVIDIA GPU on this machine"),
-    ("auto", dict(mask="", gpus=1), "cpu", False, "CUDA_VISIBLE_DEVICES='' leaves torch no usable GPU"),
-    ("auto", dict(gpus=1), "cpu", False, "torch cannot use CUDA"),
+    ("auto", {"gpus": 1, "cuda": True}, "cuda", False, "CUDA available"),
+    ("cuda:1", {"gpus": 2, "cuda": True}, "cuda:1", False, "CUDA available"),
+    ("auto", {}, "cpu", False, "no NVIDIA GPU on this machine"),
+    ("auto", {"mask": "", "gpus": 1}, "cpu", False, "CUDA_VISIBLE_DEVICES='' leaves torch no usable GPU"),
+    ("auto", {"gpus": 1}, "cpu", False, "torch cannot use CUDA"),
 ])
 def test_the_decision_table(requested, facts, device, unhide, reason):
     decided = decide(requested, **facts)
@@ -60,11 +60,11 @@ def test_the_decision_table(requested, facts, device, unhide, reason):
 
 
 @pytest.mark.parametrize("facts, cause", [
-    (dict(), "no NVIDIA GPU on this machine"),
-    (dict(mask="", ray=True, gpus=1, keep=True), "CUDA_VISIBLE_DEVICES='') and FEDSSL_KEEP_RAY_GPU_MASK=1"),
-    (dict(mask="", ray=True, gpus=1), "Ray hid the machine's 1 GPU (0 GPUs per client) and unhiding failed"),
-    (dict(mask="7", gpus=1), "CUDA_VISIBLE_DEVICES='7' leaves torch no usable GPU of the machine's 1 GPU"),
-    (dict(gpus=2), "the machine has 2 GPUs but torch cannot use CUDA"),
+    ({}, "no NVIDIA GPU on this machine"),
+    ({"mask": "", "ray": True, "gpus": 1, "keep": True}, "CUDA_VISIBLE_DEVICES='') and FEDSSL_KEEP_RAY_GPU_MASK=1"),
+    ({"mask": "", "ray": True, "gpus": 1}, "Ray hid the machine's 1 GPU (0 GPUs per client) and unhiding failed"),
+    ({"mask": "7", "gpus": 1}, "CUDA_VISIBLE_DEVICES='7' leaves torch no usable GPU of the machine's 1 GPU"),
+    ({"gpus": 2}, "the machine has 2 GPUs but torch cannot use CUDA"),
 ])
 @pytest.mark.parametrize("requested", ["cuda", "cuda:0"])
 def test_cuda_without_a_usable_gpu_fails_naming_the_setting_the_machine_and_the_cause(requested, facts, cause):
@@ -137,7 +137,7 @@ print("calls before the first message:", seen)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "FEDSSL_KEEP_RAY_GPU_MASK")}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

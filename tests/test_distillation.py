@@ -17,9 +17,9 @@ from ssl_models.federated.distillation import (
     similarity_distillation_loss,
     warmup_iterations,
 )
-from ssl_models.networks import build_backbone
-from ssl_models.methods import build_method
 from ssl_models.federated.similarity import ensemble_similarity, similarity_matrix
+from ssl_models.methods import build_method
+from ssl_models.networks import build_backbone
 
 
 # ---------------------------------------------------------------------------------------------- queue
@@ -116,7 +116,7 @@ def test_loss_is_float32_under_autocast_and_checks_shapes() -> None:
 # ---------------------------------------------------------------------------------------------- distill
 NUM_PUBLIC = 24
 # fp32 (fast_path=False) keeps these runs exact and quick on small CPUs; the fast path has its own test below
-DISTILL_KWARGS = dict(batch_size=8, queue_size=32, momentum=0.75, temperature=0.1, lr=1e-2, seed=3, fast_path=False)
+DISTILL_KWARGS = {"batch_size": 8, "queue_size": 32, "momentum": 0.75, "temperature": 0.1, "lr": 1e-2, "seed": 3, "fast_path": False}
 
 
 def _tiny_method() -> torch.nn.Module:

@@ -29,8 +29,21 @@ import pytest
 
 from compose_native import write_own_data
 from conftest import cifar10_npz, skip_unless_required
-from docker_engine import (APP_UID, CACHE, Cli, Engine, OneHost, Project, checkout, chown_app, docker_disk_mb,
-                           engine_unavailable, ensure_images, script, sh)
+from docker_engine import (
+    APP_UID,
+    CACHE,
+    Cli,
+    Engine,
+    OneHost,
+    Project,
+    checkout,
+    chown_app,
+    docker_disk_mb,
+    engine_unavailable,
+    ensure_images,
+    script,
+    sh,
+)
 from flwr_harness import free_port, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -63,7 +76,7 @@ def images(tmp_path_factory):
     finally:
         try:
             RECORD["docker_disk_mb"] = docker_disk_mb()
-        except Exception as err:  # the figures are a record, not a check
+        except Exception as err:  # noqa: BLE001 - the figures are a record, not a check
             RECORD["docker_disk_mb"] = str(err)
         record = os.environ.get("FEDSSL_DOCKER_RECORD")
         if record:
@@ -147,7 +160,7 @@ def host_address() -> str:
     ips = [ip for ip in out.split() if "." in ip]
     if not ips:  # engines that leave the gateway out of IPAM: the docker0 interface
         ips = [subprocess.run(["sh", "-c", "ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1"],
-                              capture_output=True, text=True).stdout.strip()]
+                              capture_output=True, text=True, check=False).stdout.strip()]
     assert ips and ips[0], "no address of the default bridge network"
     return ips[0]
 

@@ -5,15 +5,16 @@ heartbeat: the ServerApp's partition query asks it again instead of failing the 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
-from types import SimpleNamespace
 
 from strategies.nodes import NODE_UNAVAILABLE_CODE, query_partitions
 
 
 class Content(dict):
-    config_records: dict = {}
+    config_records: ClassVar[dict] = {}
 
 
 def fake_message(content, dst_node_id, message_type):  # Flower's Message needs a run's task identity

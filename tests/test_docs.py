@@ -29,7 +29,7 @@ def test_the_docs_site_builds_strict(tmp_path):
     if not mkdocs.exists() and shutil.which("mkdocs") is None:
         pytest.fail("mkdocs is not installed: `pip install -e '.[test]'` installs it")
     proc = subprocess.run([str(mkdocs) if mkdocs.exists() else "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "methods" / "heterossfl" / "index.html").is_file()
 

@@ -4,7 +4,6 @@ promise), no round is recorded after it, and no client trains on or writes state
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from ssl_models.data.datasets import synthetic_dataset
-from ssl_models.networks import build_backbone
 from ssl_models.evaluation.protocol import (
     DEFAULT_PROTOCOL,
     evaluate_backbone,
@@ -18,6 +17,7 @@ from ssl_models.evaluation.protocol import (
     linear_probe_accuracy,
     standardisation_stats,
 )
+from ssl_models.networks import build_backbone
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import fedavg_recipe_pilot  # noqa: E402
+import fedavg_recipe_pilot
 
 
 @pytest.mark.parametrize("schedule, lrs", [("constant", [0.001, 0.001]), ("cosine", [0.001, 0.0005])])

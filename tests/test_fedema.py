@@ -10,10 +10,16 @@ import yaml
 from client_app.tasks import fedema_download, fedu_download, train_local_ssl
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
-from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
-from ssl_models.federated.model_merge import (autoscaler_lambda, easyfl_conv_keys, easyfl_divergence, ema_merge,
-                                             fedema_mu, l2_divergence)
 from ssl_models.data.splits import client_images
+from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.federated.model_merge import (
+    autoscaler_lambda,
+    easyfl_conv_keys,
+    easyfl_divergence,
+    ema_merge,
+    fedema_mu,
+    l2_divergence,
+)
 from strategies import FedEMA, FedU
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,20 +3,20 @@
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+import strategies.flesd as flesd_module
 from client_app.tasks import PublicSetMismatch, similarity_round, train_local_ssl
+from fedssl_wire import from_array_record, record_names, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import load_dataset
-from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
-from ssl_models.methods.losses import proximal_term
-from ssl_models.federated.similarity import topk_count
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
-import strategies.flesd as flesd_module
+from ssl_models.factory import build_ssl_model, load_partial_state, split_state, state_to_numpy
+from ssl_models.federated.similarity import topk_count
+from ssl_models.methods.losses import proximal_term
 from strategies import FLESD, FedProx, Local
-from fedssl_wire import from_array_record, record_names, to_array_record
 from wire_bytes import hand_bytes
 
 TINY = {

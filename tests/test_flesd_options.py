@@ -8,13 +8,13 @@ import math
 
 import numpy as np
 import pytest
-
-from conftest import study_experiments
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 import strategies.flesd as flesd_module
+from conftest import study_experiments
+from fedssl_wire import to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.datasets import load_dataset
@@ -25,7 +25,6 @@ from ssl_models.federated.similarity import encode_similarity, ensemble_similari
 from ssl_models.methods import build_method
 from ssl_models.networks import build_backbone
 from strategies import FLESD
-from fedssl_wire import to_array_record
 
 TAU = 0.5
 # One client, N = 3, top-1/3 fraction: k = floor(3 / 3) + 1 = 2 entries kept per row (itself and its best).
@@ -85,7 +84,7 @@ def test_queue_warmup_every_epoch_skips_the_first_batches_of_every_epoch():
     images = rng.integers(0, 256, size=(32, 8, 8, 3), dtype=np.uint8)
     ensemble = ensemble_similarity([similarity_matrix(torch.randn(32, 8, generator=torch.Generator().manual_seed(1)))],
                                    0.1)
-    kwargs = dict(iterations=7, batch_size=8, queue_size=16, momentum=0.9, lr=1e-3, seed=0, fast_path=False)
+    kwargs = {"iterations": 7, "batch_size": 8, "queue_size": 16, "momentum": 0.9, "lr": 1e-3, "seed": 0, "fast_path": False}
     # 32 images / 8 = 4 batches per epoch; warm-up ceil(16 / 8) = 2 batches.
     start = distill(_tiny_simclr(), images, ensemble, **kwargs)
     assert (start["steps"], start["warmup_iterations"], start["queue_warmup"]) == (5, 2, "start")

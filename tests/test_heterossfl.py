@@ -2,6 +2,7 @@
 under partial participation, encoder queries for evaluation), config checks; no `flwr run` (see the e2e test)."""
 
 import copy
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -14,21 +15,32 @@ from flwr.supercore.task_identity import TaskIdentity
 from client_app.app import app
 from client_app.tasks import PublicSetMismatch, initial_client_model, kernel_round, train_local_ssl
 from fedssl_wire import KERNEL_RECORD, from_array_record, record_names, to_array_record
-from wire_bytes import hand_bytes
 from server_app.experiment import load_experiment
+from ssl_models.accounting import forward_flops, function_training_flops
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.augment import to_float_nchw
 from ssl_models.data.datasets import load_dataset
 from ssl_models.data.splits import client_images, federated_split, images_digest, public_images
 from ssl_models.factory import build_ssl_model, state_to_numpy
-from ssl_models.federated.kernel_alignment import (KernelAligner, average_kernels, check_kernel_payload,
-                                                   client_kernel, decode_kernel, encode_kernel, eval_mode,
-                                                   kernel_cka, normalize_kernel, rad_forward_mode,
-                                                   rad_representations, rad_term_flops, representation_fn)
-from ssl_models.accounting import forward_flops, function_training_flops
 from ssl_models.federated.cka import center_kernel, kernel_alignment_loss, linear_kernel
+from ssl_models.federated.kernel_alignment import (
+    KernelAligner,
+    average_kernels,
+    check_kernel_payload,
+    client_kernel,
+    decode_kernel,
+    encode_kernel,
+    eval_mode,
+    kernel_cka,
+    normalize_kernel,
+    rad_forward_mode,
+    rad_representations,
+    rad_term_flops,
+    representation_fn,
+)
 from ssl_models.training import train_ssl
 from strategies import HeteroSSFL, Local
+from wire_bytes import hand_bytes
 
 TINY = {
     "rounds": 3,
@@ -496,7 +508,7 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
         assert (sent[0] > 0) == (rnd > 1)
         assert record["kernels_stored"] == len(latest)
     assert len({pid for chosen in seen_rounds for pid in chosen}) > 2  # partial participation reached others
-    assert any(set(a) != set(b) for a, b in zip(seen_rounds, seen_rounds[1:]))
+    assert any(set(a) != set(b) for a, b in itertools.pairwise(seen_rounds))
     files = sorted(p.name for p in (tmp_path / "server-kernels").glob("client_*.npz"))
     assert files == [f"client_{pid}.npz" for pid in sorted(latest)]  # kernels on disk, one per client
     assert all(isinstance(v, int) for info in strategy.kernel_info.values() for v in info.values())

@@ -44,7 +44,7 @@ def test_fedssl_eval_reports_a_bad_data_file_in_one_line_with_exit_2(tmp_path):
     good = save(tmp_path / "good.npz")
     (tmp_path / "cut.npz").write_bytes(good.read_bytes()[:100])
     proc = subprocess.run([sys.executable, "-m", "ssl_models.evaluation.cli", str(tmp_path / "model.pt"),
-                           str(tmp_path / "cut.npz")], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "cut.npz")], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 

@@ -4,6 +4,7 @@ server-side calibration, downloads for clients that missed stages, option errors
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from pathlib import Path
@@ -16,21 +17,32 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.tasks import fedssl_download, layerwise_round, train_local_ssl
+from conftest import experiment_config_files, study_experiments
 from fedssl_wire import LAYERWISE_MESSAGE_TYPE, from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, set_dotted
 from ssl_models.data.splits import client_images, federated_split, load_experiment_data, public_images
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint, save_encoder_checkpoint
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.federated.layerwise import (
+    RepresentationAligner,
+    alignment_loss,
+    build_layerwise_model,
+    calibrate,
+    configure_local_model,
+    grow_online_state,
+    online_state,
+    round_lr,
+    select,
+    stage_of_round,
+    stage_rounds,
+    submodel_prefixes,
+    trained_prefixes,
+)
 from ssl_models.methods.base import TARGET_PREFIXES
-from ssl_models.federated.layerwise import (RepresentationAligner, alignment_loss, build_layerwise_model, calibrate,
-                                            configure_local_model, grow_online_state, online_state,
-                                            round_lr, select, stage_of_round, stage_rounds, submodel_prefixes,
-                                            trained_prefixes)
 from strategies import get_strategy_class
 from strategies.fedssl import ModelToEvaluate
 from strategies.layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL, entry_bytes
-from conftest import experiment_config_files, study_experiments
 from wire_bytes import hand_bytes, raw_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +73,8 @@ def test_allocations_sum_to_the_rounds_and_have_their_shape(rounds, stages):
     for counts in (uniform, right, left):
         assert sum(counts) == rounds and len(counts) == stages and min(counts) >= 1
     assert max(uniform) - min(uniform) <= 1
-    assert all(a >= b for a, b in zip(right, right[1:]))  # most rounds early, the tail to the right
-    assert all(a <= b for a, b in zip(left, left[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(right))  # most rounds early, the tail to the right
+    assert all(a <= b for a, b in itertools.pairwise(left))
     if rounds > 2 * stages:
         assert right[0] > right[-1] and left[-1] > left[0]
 
@@ -705,8 +717,8 @@ def test_a_resumed_strategy_sends_what_the_uninterrupted_one_sends():
     sent_b = {m.metadata.dst_node_id: from_array_record(m.content["arrays"]) for m in
               b.configure_train(5, checkpoint_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))}
     assert sent_a.keys() == sent_b.keys() == {100, 101, 102}
-    for node in sent_a:
-        assert list(sent_a[node]) == list(sent_b[node])  # client 2 (it missed stage 2) gets everything in both
-        for key in sent_a[node]:
-            np.testing.assert_array_equal(sent_a[node][key], sent_b[node][key])
+    for node, state_a in sent_a.items():
+        assert list(state_a) == list(sent_b[node])  # client 2 (it missed stage 2) gets everything in both
+        for key in state_a:
+            np.testing.assert_array_equal(state_a[key], sent_b[node][key])
     assert b.resources["per_client"] == a.resources["per_client"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.networks import build_backbone
 from ssl_models.methods import METHODS, SSLMethod, build_method, method_default_options
 from ssl_models.methods.moco import MoCo
+from ssl_models.networks import build_backbone
 from ssl_models.networks.momentum import copy_as_target, ema_update_
 
 SMALL_HEADS: dict[str, dict[str, Any]] = {

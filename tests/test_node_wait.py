@@ -4,7 +4,7 @@ goes on with fewer clients only after the wait, never with none."""
 
 import pytest
 
-import strategies.nodes as nodes
+from strategies import nodes
 from strategies.nodes import NodeInfo, adopt_new_nodes, wait_for_partitions
 
 

@@ -224,7 +224,7 @@ def test_stratified_allocation_hand_computed():
 
 def test_partition_indices_dispatches_and_ignores_other_schemes_knobs():
     labels = balanced_labels()
-    knobs = dict(alpha=0.5, min_size=5, classes_per_client=2)
+    knobs = {"alpha": 0.5, "min_size": 5, "classes_per_client": 2}
     iid = partition_indices(labels, "iid", 6, seed=0, **knobs)
     assert all(np.array_equal(a, b) for a, b in zip(iid, iid_partition(len(labels), 6, 0)))
     dirichlet = partition_indices(labels, "dirichlet", 6, seed=0, **knobs)

@@ -6,9 +6,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from strategies.replies import (NotEnoughValidReplies, RejectedReply, arrays_problem, metrics_problem, screen_replies,
-                                size_problem)
 from fedssl_wire import record_bytes, to_array_record
+from strategies.replies import (
+    NotEnoughValidReplies,
+    RejectedReply,
+    arrays_problem,
+    metrics_problem,
+    screen_replies,
+    size_problem,
+)
 
 
 def content(**records):

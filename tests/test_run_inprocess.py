@@ -67,7 +67,7 @@ class FaultyGrid(ClientAppGrid):
         for m in kept:
             try:
                 reply = client_app(m, self.contexts[m.metadata.dst_node_id])
-            except Exception as exc:  # what Flower's runtime makes of a ClientApp that raises: an error reply
+            except Exception as exc:  # noqa: BLE001 - what Flower's runtime makes of a ClientApp that raises: an error reply
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=m)
             replies.append(self.corrupt(reply) if self.is_target(m) else reply)
         return replies

@@ -115,6 +115,6 @@ def test_the_books_say_what_clients_trained_on_when_a_node_has_its_own_data():
     assert trained_client_sizes([], split) == split  # no reply yet: the server's figure
     noted: set[int] = set()
     lines = client_size_notes(rounds[0]["clients"], split, noted)
-    assert lines == ["client 0 trains on 270 images of its own data file, not the 200 of the server's split (its "
-                     "node's data-path)"]
+    assert lines == [("client 0 trains on 270 images of its own data file, not the 200 of the server's split (its "
+                     "node's data-path)")]
     assert client_size_notes(rounds[1]["clients"], split, noted) == []  # named once

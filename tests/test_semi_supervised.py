@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.data.datasets import synthetic_dataset
-from ssl_models.networks import build_backbone
+from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.evaluation.cli import main
 from ssl_models.evaluation.protocol import (
     build_mlp_head,
@@ -22,6 +21,7 @@ from ssl_models.evaluation.protocol import (
     random_crop_flip,
     semi_supervised_accuracy,
 )
+from ssl_models.networks import build_backbone
 
 ARCH, WIDTH = "resnet18", 0.125
 
@@ -170,7 +170,7 @@ def test_head_mode_freezes_the_backbone_and_equals_an_mlp_head_on_precomputed_fe
     backbone = _backbone()
     before = _state_copy(backbone)
     recorder = _Recorder(backbone)
-    kwargs = dict(epochs=100, batch_size=32, mode="head", seed=2)
+    kwargs = {"epochs": 100, "batch_size": 32, "mode": "head", "seed": 2}
     result = semi_supervised_accuracy(
         backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10, 0.5, **kwargs
     )
@@ -203,7 +203,7 @@ def test_finetune_mode_trains_a_copy_in_train_mode_and_leaves_the_callers_backbo
     recorder = _Recorder(backbone)
     # 4 steps per epoch on the 100 labelled images; an odd batch size also guards the contiguous() fix of the
     # CPU crash on channels-last batches (see _finetune_classifier)
-    kwargs = dict(epochs=8, batch_size=25, seed=0)
+    kwargs = {"epochs": 8, "batch_size": 25, "seed": 0}
     result = semi_supervised_accuracy(
         backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10, 0.5, **kwargs
     )
@@ -238,12 +238,12 @@ def test_semi_supervised_accuracy_rejects_bad_arguments(tiny_data):
     backbone = _backbone()
     args = (backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10)
     cases = [
-        (dict(fraction=0.0), "fraction"),
-        (dict(fraction=0.5, mode="linear"), "mode must be one of"),
-        (dict(fraction=0.5, mode="head", augment=True), "augment=True needs mode='finetune'"),
-        (dict(fraction=0.5, batch_size=1), "batch_size must be an integer >= 2"),
-        (dict(fraction=0.5, epochs=0), "epochs must be an integer >= 1"),
-        (dict(fraction=0.5, lr=0.0), "lr must be > 0"),
+        ({"fraction": 0.0}, "fraction"),
+        ({"fraction": 0.5, "mode": "linear"}, "mode must be one of"),
+        ({"fraction": 0.5, "mode": "head", "augment": True}, "augment=True needs mode='finetune'"),
+        ({"fraction": 0.5, "batch_size": 1}, "batch_size must be an integer >= 2"),
+        ({"fraction": 0.5, "epochs": 0}, "epochs must be an integer >= 1"),
+        ({"fraction": 0.5, "lr": 0.0}, "lr must be > 0"),
     ]
     for kwargs, message in cases:
         fraction = kwargs.pop("fraction")

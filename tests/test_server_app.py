@@ -16,10 +16,10 @@ from flwr.supercore.task_identity import TaskIdentity
 import server_app.app as server_module
 import server_app.results as results_module
 from client_app.app import app as client_app
+from fedssl_wire import from_array_record
 from server_app.app import FederationMismatch, ServerEvaluator, discover_clients
 from ssl_models.config import ExperimentConfig
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
-from fedssl_wire import from_array_record
 from strategies.fedssl import ModelToEvaluate
 
 

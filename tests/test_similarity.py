@@ -342,7 +342,7 @@ def test_print_peak_memory_and_time_of_streaming_topk_ensemble() -> None:
     """
     n = int(os.environ.get("FEDSSL_FLESD_MEMCHECK_N", "2000"))
     result = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT, str(n)], cwd=REPO, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", MEMORY_SCRIPT, str(n)], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
     )
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout.strip())

@@ -5,9 +5,9 @@ import pytest
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedssl_wire import from_array_record, to_array_record
 from strategies import FedSSL, get_strategy_class
 from strategies.aggregation import sample_clients, weighted_average, weighted_mean
-from fedssl_wire import from_array_record, to_array_record
 from wire_bytes import hand_bytes
 
 

@@ -10,8 +10,14 @@ import math
 import pytest
 import torch
 
-from fedssl_gpu.throughput import (PAPER_CONFIGS, PROFILED_STEPS, dense_bf16_peak, estimate_flops, run_throughput,
-                                   timed_steps)
+from fedssl_gpu.throughput import (
+    PAPER_CONFIGS,
+    PROFILED_STEPS,
+    dense_bf16_peak,
+    estimate_flops,
+    run_throughput,
+    timed_steps,
+)
 
 STEPS = 2
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import ssl_models.training as training
 from client_app.tasks import train_local_ssl
+from ssl_models import training
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
@@ -132,7 +132,7 @@ def test_adamw_from_the_config_takes_a_decoupled_decay_step() -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_loss_stops_training_with_a_clear_error(bad: float) -> None:
     method = Recorder()
-    hook = lambda _m: torch.tensor(bad)  # noqa: E731
+    hook = lambda _m: torch.tensor(bad)
     word = "nan" if math.isnan(bad) else "inf"
     before = [p.detach().clone() for p in method.parameters()]
     with pytest.raises(FloatingPointError, match=rf"^local SSL loss at epoch 1 step 1 became {word}$"):

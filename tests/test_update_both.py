@@ -18,12 +18,12 @@ from flwr.supercore.task_identity import TaskIdentity
 from client_app.app import app
 from client_app.tasks import fedssl_download, train_local_ssl
 from fedssl_wire import MEMORY_STATE_KEY, from_array_record, record_names, to_array_record
-from wire_bytes import hand_bytes, raw_bytes
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images
 from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
 from strategies import FLESD, FedEMA, FedSSL, FedU
 from strategies.local import Local
+from wire_bytes import hand_bytes, raw_bytes
 
 METHODS = {
     "byol": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32},

@@ -207,7 +207,7 @@ def test_frozen_blocks_save_no_activations() -> None:
     for depth in (2, 3, 5):
         model = tiny_vit(depth)
         model.set_trainable("last_block")
-        bytes_by_depth[depth], _ = saved_bytes(lambda: model(x))
+        bytes_by_depth[depth], _ = saved_bytes(lambda model=model: model(x))
     # more frozen blocks in front of the active one do not add saved activations
     assert bytes_by_depth[2] == bytes_by_depth[3] == bytes_by_depth[5] > 0
 

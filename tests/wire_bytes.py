@@ -10,7 +10,7 @@ uint8 array holding every array's raw bytes. So a state costs its raw bytes + th
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -17,13 +17,18 @@ CUDA (flash / efficient / cuDNN kernels) they are. The ViT-Tiny/4 reference figu
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+if TYPE_CHECKING:
+    from ssl_models.methods.base import SSLMethod
+
 aten = torch.ops.aten
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)  # function_training_flops: the module's type, kept
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
@@ -109,7 +114,7 @@ def backbone_training_flops(module: nn.Module, input_shape: Sequence[int], batch
                                    count_cpu_attention=count_cpu_attention)
 
 
-def training_step_flops(method: nn.Module, view_shape: Sequence[int] = (3, 32, 32), batch_size: int = 2,
+def training_step_flops(method: SSLMethod, view_shape: Sequence[int] = (3, 32, 32), batch_size: int = 2,
                         device: torch.device | str | None = None, *, count_cpu_attention: bool = False,
                         seed: int = 0) -> dict[str, float]:
     """Per-sample FLOPs of one complete SSL training step of ``method`` (an ``SSLMethod``).
@@ -140,8 +145,8 @@ def training_step_flops(method: nn.Module, view_shape: Sequence[int] = (3, 32, 3
     return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
 
 
-def function_training_flops(module: nn.Module,
-                            function_of: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
+def function_training_flops(module: _ModuleT,
+                            function_of: Callable[[_ModuleT], Callable[[torch.Tensor], torch.Tensor]],
                             input_shape: Sequence[int], batch_size: int = 2, *,
                             device: torch.device | str | None = None,
                             count_cpu_attention: bool = False) -> dict[str, float]:

@@ -22,8 +22,9 @@ subprocess. The figure includes the interpreter and ``import torch`` (about 0.8 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def saved_activation_bytes(step: Callable[[], Any], exclude: Iterable[torch.Tens
     sizes: dict[tuple[str, int], int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        held.append(tensor)
+        held.append(tensor)  # noqa: F821 - runs in the `with` below, before `del held`
         try:
             key = _storage_key(tensor)
         except (RuntimeError, NotImplementedError):
@@ -91,8 +92,10 @@ def saved_activation_bytes(step: Callable[[], Any], exclude: Iterable[torch.Tens
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
-    params = module.trainable_parameters() if hasattr(module, "trainable_parameters") else [
-        p for p in module.parameters() if p.requires_grad]
+    if hasattr(module, "trainable_parameters"):
+        params = module.trainable_parameters()  # type: ignore[operator]  # hasattr-checked
+    else:
+        params = [p for p in module.parameters() if p.requires_grad]
     unique: dict[int, nn.Parameter] = {}
     for p in params:
         unique.setdefault(id(p), p)
@@ -105,7 +108,7 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def _default_step(module: nn.Module, *inputs: torch.Tensor) -> Any:
     if hasattr(module, "training_step"):
-        return module.training_step(*inputs)
+        return module.training_step(*inputs)  # type: ignore[operator]  # hasattr-checked
     return module(*inputs)
 
 
@@ -156,7 +159,7 @@ def analytic_training_memory(
     else:
         raise ValueError(f"batch must be a batch size or a sequence of tensors, got {type(batch).__name__}")
     run = step_fn or _default_step
-    saved = saved_activation_bytes(lambda: run(work, *inputs),
+    saved = saved_activation_bytes(lambda: run(work, *inputs),  # noqa: F821 - called before `del work`
                                    exclude=[*work.parameters(), *work.buffers()] if exclude_parameters else ())
     del work
 

@@ -136,9 +136,9 @@ def _fallback_box(height: int, width: int, ratio: Sequence[float]) -> tuple[int,
     """RandomResizedCrop's fallback (box_height, box_width): whole image, ratio clamped into range."""
     in_ratio = width / height
     if in_ratio < min(ratio):
-        return int(round(width / min(ratio))), width
+        return round(width / min(ratio)), width
     if in_ratio > max(ratio):
-        return height, int(round(height * max(ratio)))
+        return height, round(height * max(ratio))
     return height, width
 
 
@@ -369,7 +369,7 @@ class SSLAugment(nn.Module):
     """
 
     @classmethod
-    def from_config(cls, augment, image_size: int) -> "SSLAugment":
+    def from_config(cls, augment, image_size: int) -> SSLAugment:
         """The recipe of an experiment's ``augment`` section (``ssl_models.config.AugmentConfig``)."""
         return cls(image_size=image_size, crop_scale=augment.crop_scale, crop_ratio=augment.crop_ratio,
                    jitter=(augment.brightness, augment.contrast, augment.saturation, augment.hue),

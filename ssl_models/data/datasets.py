@@ -73,11 +73,16 @@ class ImageData:
 def validate_images(images: np.ndarray, array_name: str, source: str) -> None:
     """Raise ``ValueError`` unless ``images`` is an NHWC ``uint8`` array with 3 channels."""
     if not isinstance(images, np.ndarray):
-        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(images).__name__}")
+        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(images).__name__}")  # noqa: TRY004 - a bad data file is a ValueError throughout
     if images.ndim != 4 or images.shape[-1] != 3:
         hint = ""
         if images.ndim == 4 and images.shape[1] == 3:
             hint = " (it looks like NCHW; transpose it to NHWC with x.transpose(0, 2, 3, 1))"
+        elif images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 1):
+            hint = (" (grayscale images: give them three channels, e.g. np.repeat(x.reshape(*x.shape[:3], 1), 3, "
+                    "axis=-1))")
+        elif images.ndim == 4 and images.shape[-1] == 4:
+            hint = " (RGBA images: drop the alpha channel, x[..., :3])"
         raise ValueError(
             f"{source}: {array_name} must have shape (N, H, W, 3) (NHWC, RGB; NCHW is not accepted), "
             f"got shape {images.shape}{hint}"
@@ -89,7 +94,7 @@ def validate_images(images: np.ndarray, array_name: str, source: str) -> None:
 def validate_labels(labels: np.ndarray, array_name: str, num_images: int, source: str) -> np.ndarray:
     """Check a label array (1-D, integer, non-negative, one per image) and return it as ``int64``."""
     if not isinstance(labels, np.ndarray):
-        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(labels).__name__}")
+        raise ValueError(f"{source}: {array_name} must be a numpy array, got {type(labels).__name__}")  # noqa: TRY004 - a bad data file is a ValueError throughout
     if labels.ndim != 1:
         raise ValueError(f"{source}: {array_name} must be 1-D (one integer label per image), got shape {labels.shape}")
     if not np.issubdtype(labels.dtype, np.integer):
@@ -248,12 +253,14 @@ def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> Imag
     arrays = _read_decoded(entry, resolved_path, mtime_ns, size_bytes) if entry is not None else None
     if arrays is None:
         arrays = _read_npz_archive(resolved_path, source)
-        data = _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
+        data = _build_image_data(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
+                                 name=Path(resolved_path).stem, source=source)
         if entry is not None:
             _write_decoded(entry, {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test,
                                    "y_test": data.y_test}, resolved_path, mtime_ns, size_bytes)
         return data
-    return _build_image_data(**arrays, name=Path(resolved_path).stem, source=source)
+    return _build_image_data(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
+                                 name=Path(resolved_path).stem, source=source)
 
 
 def load_npz(path: str | Path, name: str | None = None, num_classes: int | None = None) -> ImageData:
@@ -409,7 +416,7 @@ def _synthetic_args(synthetic_sizes: Sequence[int]) -> tuple[int, int, int, int]
     if len(sizes) == 3:
         return sizes + (32,)
     if len(sizes) == 4:
-        return sizes  # type: ignore[return-value]
+        return sizes
     raise ValueError(
         f"synthetic_sizes must be (num_train, num_test, num_classes) or (..., image_size), got {synthetic_sizes!r}"
     )

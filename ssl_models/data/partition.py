@@ -211,14 +211,14 @@ def pathological_partition(
     return [_sorted_int64(np.concatenate(pieces)) for pieces in shares]
 
 
-def _public_count(size: int | float, num_items: int) -> int:
+def _public_count(size: float, num_items: int) -> int:
     """Turn ``public_split``'s ``size`` (count or fraction) into a count, validating it."""
     if isinstance(size, bool) or not isinstance(size, numbers.Real) or size < 0:
         raise ValueError(f"size must be a count (int >= 0) or a fraction in (0, 1), got {size!r}")
     if isinstance(size, numbers.Integral) or float(size).is_integer():
         count = int(size)  # whole floats (e.g. 500.0 from a YAML config) are counts
     elif size < 1:
-        count = max(1, int(round(float(size) * num_items)))
+        count = max(1, round(float(size) * num_items))
     else:
         raise ValueError(f"size must be a whole count or a fraction below 1, got {size!r}")
     if count >= num_items and count > 0:
@@ -228,7 +228,7 @@ def _public_count(size: int | float, num_items: int) -> int:
     return count
 
 
-def public_split(labels: np.ndarray, size: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def public_split(labels: np.ndarray, size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Carve a class-stratified server-held split: returns sorted ``(public_idx, remaining_idx)``.
 
     ``size`` is a count (int, or a whole float) or a fraction in (0, 1) of ``len(labels)``; 0 gives
@@ -296,7 +296,7 @@ def partition_summary(labels: np.ndarray, parts: Sequence[np.ndarray], num_class
             raise ValueError(f"labels go up to {counts.shape[0] - 1} but num_classes is {num_classes}")
         summary.append({
             "client": client,
-            "size": int(len(part)),
+            "size": len(part),
             "class_counts": [int(c) for c in counts],
             "classes_present": int(np.count_nonzero(counts)),
         })

@@ -61,7 +61,7 @@ def _plain_value(value: Any, where: str) -> Any:
         plain = {}
         for key, item in value.items():
             if not isinstance(key, (str, int)):
-                raise ValueError(f"extra: key {key!r} at {where} must be a str or int, got {type(key).__name__}")
+                raise ValueError(f"extra: key {key!r} at {where} must be a str or int, got {type(key).__name__}")  # noqa: TRY004 - a bad checkpoint is a ValueError throughout
             plain[key] = _plain_value(item, f"{where}[{key!r}]")
         return plain
     raise ValueError(
@@ -72,8 +72,8 @@ def _plain_value(value: Any, where: str) -> Any:
 
 def _arch_options_of(backbone: nn.Module, arch: str) -> dict[str, Any]:
     """The architecture options that shape ``backbone``'s weights: ``depth`` (blocks held) for a growable ViT."""
-    if "depth" in ARCH_OPTIONS.get(arch, ()) and isinstance(getattr(backbone, "depth", None), int):
-        return {"depth": int(backbone.depth)}
+    if "depth" in ARCH_OPTIONS.get(arch, ()) and isinstance(depth := getattr(backbone, "depth", None), int):
+        return {"depth": int(depth)}
     return {}
 
 

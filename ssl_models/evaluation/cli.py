@@ -46,9 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
-from ssl_models.networks import build_backbone
 from ssl_models.data.datasets import ImageData, load_npz, subsample
+from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
 from ssl_models.evaluation.protocol import (
     DEFAULT_PROTOCOL,
     SEMI_SUPERVISED_MODES,
@@ -56,6 +55,7 @@ from ssl_models.evaluation.protocol import (
     evaluate_backbone,
     semi_supervised_accuracy,
 )
+from ssl_models.networks import build_backbone
 
 PROGRAM = "fedssl-eval"
 MAX_ERROR_CHARS = 600

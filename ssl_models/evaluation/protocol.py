@@ -96,7 +96,7 @@ _STD_FLOOR = 1e-6
 def _check_images(images: np.ndarray, name: str = "images") -> None:
     """Reject anything that is not an NHWC uint8 RGB batch, naming the argument."""
     if not isinstance(images, np.ndarray):
-        raise ValueError(f"{name} must be a numpy array, got {type(images).__name__}")
+        raise ValueError(f"{name} must be a numpy array, got {type(images).__name__}")  # noqa: TRY004 - bad images are a ValueError, like the checks below
     if images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"{name} must have shape (N, H, W, 3), got {images.shape}")
     if images.dtype != np.uint8:
@@ -157,8 +157,8 @@ def extract_features(
 
 def _infer_feature_dim(backbone: nn.Module, hw: tuple[int, ...], device: torch.device) -> int:
     """Feature length, from ``backbone.feature_dim`` or one dummy forward pass in eval mode."""
-    if isinstance(getattr(backbone, "feature_dim", None), int):
-        return backbone.feature_dim
+    if isinstance(feature_dim := getattr(backbone, "feature_dim", None), int):
+        return feature_dim
     modes = _training_modes(backbone)
     backbone.eval()
     try:
@@ -726,7 +726,7 @@ def semi_supervised_accuracy(
             logits = head(test_feats.to(device))
     return {
         "fraction": float(fraction),
-        "num_labelled": int(len(subset)),
+        "num_labelled": len(subset),
         "mode": mode,
         "augment": augment,
         "accuracy": accuracy(logits.argmax(dim=1), test_y),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssl_models.data.augment import SSLAugment
-from ssl_models.networks.momentum import copy_as_target, ema_update_
 from ssl_models.federated.similarity import distillation_targets
+from ssl_models.networks.momentum import copy_as_target, ema_update_
 from ssl_models.training import fast_path_for, optimizer_step
+
+if TYPE_CHECKING:
+    from ssl_models.methods.base import SSLMethod
 
 
 # ------------------------------------------------------------------------------------------- queue
@@ -114,7 +118,7 @@ class _Encoder(nn.Module):
         return self.projector(self.backbone(x))
 
 
-def build_key_encoder(method: nn.Module) -> nn.Module:
+def build_key_encoder(method: SSLMethod) -> nn.Module:
     """A frozen deep copy of ``method.backbone`` + ``method.projector`` (the FLESD/MoCo key encoder)."""
     return copy_as_target(_Encoder(method.backbone, method.projector))
 
@@ -142,7 +146,7 @@ def warmup_iterations(queue_size: int, batch_size: int) -> int:
 
 
 def distill(
-    method: nn.Module,
+    method: SSLMethod,
     public_images: np.ndarray | torch.Tensor,
     ensemble: torch.Tensor,
     *,

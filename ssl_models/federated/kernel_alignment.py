@@ -61,9 +61,10 @@ the paper's K_bar does. A top-n% kernel decodes with zeros in the dropped entrie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -71,9 +72,18 @@ from torch import nn
 
 from ssl_models.accounting.flops import function_training_flops
 from ssl_models.data.augment import to_float_nchw
-from ssl_models.federated.cka import (center_kernel, cka, feature_alignment_loss, kernel_alignment_loss,
-                                      linear_kernel, rbf_kernel)
+from ssl_models.federated.cka import (
+    center_kernel,
+    cka,
+    feature_alignment_loss,
+    kernel_alignment_loss,
+    linear_kernel,
+    rbf_kernel,
+)
 from ssl_models.federated.similarity import DENSE_FP32, ENCODING_MODES, TOPK, decode_similarity, encode_similarity
+
+if TYPE_CHECKING:
+    from ssl_models.methods.base import SSLMethod
 
 REPRESENTATIONS = ("predictor", "projector", "backbone")
 KERNEL_FUNCTIONS = ("linear", "rbf")
@@ -88,7 +98,7 @@ DEFAULT_CHUNK_ROWS = 1024
 
 
 # ------------------------------------------------------------------------------------------------ representations
-def representation_fn(method: nn.Module, representation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def representation_fn(method: SSLMethod, representation: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The map images -> representations used for the kernel.
 
     ``predictor``: the online network's output ``predictor(projector(backbone(x)))`` (the paper); a method without
@@ -125,7 +135,7 @@ def rad_forward_mode(module: nn.Module, bn_mode: str = "eval"):
     restored."""
     if bn_mode not in BN_MODES:
         raise ValueError(f"bn_mode must be one of {BN_MODES}, got {bn_mode!r}")
-    untracked: list[nn.Module] = []
+    untracked: list[nn.modules.batchnorm._BatchNorm] = []
     with eval_mode(module):
         if bn_mode == "train":
             for m in module.modules():
@@ -163,7 +173,7 @@ def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Te
         yield start, stop, fn(_float_input(images[start:stop], channels_last)).float()
 
 
-def rad_representations(method: nn.Module, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
+def rad_representations(method: SSLMethod, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
                         device: torch.device | str = "cpu", batch_size: int = DEFAULT_FORWARD_BATCH,
                         bn_mode: str = "eval") -> torch.Tensor:
     """Representations (N, d) float32 on ``device`` of the RAD images, without gradient or augmentation, in float32
@@ -320,7 +330,7 @@ class AlignmentStats:
         return self.images_forward_backward * (forward + backward) + self.images_forward_only * forward
 
 
-def rad_term_flops(method: nn.Module, representation: str, image_shape: tuple[int, ...]) -> dict[str, float]:
+def rad_term_flops(method: SSLMethod, representation: str, image_shape: tuple[int, ...]) -> dict[str, float]:
     """Per-image FLOPs (forward, backward, total) of one RAD image's pass for the kernel: through
     ``representation_fn(method, representation)`` and back into every trainable parameter (counted on a deep copy,
     ``function_training_flops``)."""
@@ -387,11 +397,11 @@ class KernelAligner:
         self._refreshed = False
 
     # ---------------------------------------------------------------- hooks for train_ssl
-    def on_epoch_start(self, method: nn.Module, epoch: int) -> None:
+    def on_epoch_start(self, method: SSLMethod, epoch: int) -> None:
         if self.refresh == "epoch":
             self._refresh(method)
 
-    def loss(self, method: nn.Module) -> torch.Tensor:
+    def loss(self, method: SSLMethod) -> torch.Tensor:
         """The alignment term of one step (a tensor added to the SSL loss)."""
         if self.refresh == "minibatch":
             return self._minibatch_loss(method)
@@ -423,11 +433,12 @@ class KernelAligner:
         self.stats.values.append(value)
         self.stats.ckas.append(similarity)
 
-    def _refresh(self, method: nn.Module) -> None:
+    def _refresh(self, method: SSLMethod) -> None:
         """Recompute A_k on the whole RAD, the term's value and its gradient w.r.t. the trainable parameters."""
         params = [p for p in method.trainable_parameters() if p.requires_grad]
         fn = representation_fn(method, self.representation)
         n = self.rad.shape[0]
+        grads: Sequence[torch.Tensor | None]
         with rad_forward_mode(method, self.bn_mode), self._network_precision():
             if n <= self.forward_batch_size:  # one pass with the graph
                 features = fn(_float_input(self.rad, self.channels_last)).float()
@@ -453,7 +464,7 @@ class KernelAligner:
         self.stats.refreshes += 1
         self._record(self._value, similarity)
 
-    def _minibatch_loss(self, method: nn.Module) -> torch.Tensor:
+    def _minibatch_loss(self, method: SSLMethod) -> torch.Tensor:
         n = self.rad.shape[0]
         idx = torch.randperm(n, generator=self.generator)[:self.rad_batch_size].sort().values.to(self.device)
         fn = representation_fn(method, self.representation)

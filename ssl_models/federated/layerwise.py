@@ -59,8 +59,9 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -69,10 +70,19 @@ from torch import nn
 
 from ssl_models.accounting import analytic_training_memory, forward_flops, training_step_flops
 from ssl_models.config import ExperimentConfig
-from ssl_models.factory import build_augment, build_ssl_model, load_partial_state, reset_target_from_online, \
-    state_to_numpy
-from ssl_models.networks.vit import BLOCK_INITS, vit_depth_of_state
+from ssl_models.factory import (
+    build_augment,
+    build_ssl_model,
+    load_partial_state,
+    reset_target_from_online,
+    state_to_numpy,
+)
+from ssl_models.methods.base import SSLMethod
+from ssl_models.networks.vit import BLOCK_INITS, VisionTransformer, vit_depth_of_state
 from ssl_models.training import TrainStats, train_ssl
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 ALLOCATIONS: tuple[str, ...] = ("uniform", "right_skewed", "left_skewed")
 LR_STRATEGIES: tuple[str, ...] = ("fixed", "cosine", "cyclic")
@@ -115,7 +125,7 @@ def stage_rounds(total_rounds: int, stages: int, allocation: str = "uniform") ->
     spare = total_rounds - stages
     total_weight = sum(weights)
     exact = [spare * w / total_weight for w in weights]
-    counts = [int(math.floor(e)) for e in exact]
+    counts = [math.floor(e) for e in exact]
     left = spare - sum(counts)
     order = sorted(range(stages), key=lambda i: (-(exact[i] - counts[i]), i))
     for i in order[:left]:
@@ -180,7 +190,7 @@ def block_prefix(index: int) -> str:
     return f"{ENCODER_PREFIX}blocks.{int(index)}."
 
 
-def head_prefixes(method: nn.Module) -> tuple[str, ...]:
+def head_prefixes(method: SSLMethod) -> tuple[str, ...]:
     """The shared non-encoder prefixes of an SSL method (MoCo v3: projector, predictor)."""
     return tuple(p for p in method.shared_prefixes() if p != ENCODER_PREFIX)
 
@@ -222,22 +232,27 @@ def state_depth(keys: Iterable[str]) -> int:
 # ---------------------------------------------------------------------- models
 
 
-def build_layerwise_model(cfg: ExperimentConfig, depth: int, seed: int | None = None) -> nn.Module:
+def _vit(encoder: nn.Module) -> VisionTransformer:
+    """A layer-wise model's encoder, typed: ``build_layerwise_model`` builds it as a growable ViT."""
+    return cast(VisionTransformer, encoder)
+
+
+def build_layerwise_model(cfg: ExperimentConfig, depth: int, seed: int | None = None) -> SSLMethod:
     """The experiment's SSL method with a ViT encoder of ``depth`` blocks (all active, all trainable)."""
     return build_ssl_model(cfg, seed=seed, depth=_positive_int("depth", depth))
 
 
-def configure_local_model(method: nn.Module, mode: str, depth_dropout: float = 0.0,
+def configure_local_model(method: SSLMethod, mode: str, depth_dropout: float = 0.0,
                           dropout_seed: int | None = None) -> None:
     """Set what trains (``last_block`` or ``all``) and the depth-dropout rate of the frozen blocks (FLL+DD) on the
     online encoder. The momentum encoder always runs every block."""
     if mode not in TRAINABLE_MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(TRAINABLE_MODES)}, got {mode!r}")
-    method.backbone.set_trainable(mode)
-    method.backbone.set_depth_dropout(float(depth_dropout), seed=dropout_seed)
+    _vit(method.backbone).set_trainable(mode)
+    _vit(method.backbone).set_depth_dropout(float(depth_dropout), seed=dropout_seed)
 
 
-def online_state(method: nn.Module) -> OrderedDict:
+def online_state(method: SSLMethod) -> OrderedDict:
     """The online sub-model (encoder + heads) of ``method`` as NumPy copies."""
     return state_to_numpy(select(method.state_dict(), method.shared_prefixes()))
 
@@ -256,7 +271,7 @@ def grow_online_state(cfg: ExperimentConfig, state: Mapping[str, np.ndarray], in
         method = build_layerwise_model(cfg, depth, seed=seed)
         load_partial_state(method, dict(state))
         torch.manual_seed(seed)
-        method.backbone.grow(init)
+        _vit(method.backbone).grow(init)
     grown = select(method.state_dict(), submodel_prefixes(depth + 1, head_prefixes(method)))
     return state_to_numpy(grown)
 
@@ -300,14 +315,14 @@ class RepresentationAligner:
         self.global_backbone = copy.deepcopy(global_backbone)
         self.global_backbone.requires_grad_(False)
         if hasattr(self.global_backbone, "set_depth_dropout"):
-            self.global_backbone.set_depth_dropout(0.0)
+            self.global_backbone.set_depth_dropout(0.0)  # type: ignore[operator]  # hasattr-checked (a ViT)
         self.global_backbone.eval()
         self.alpha = float(alpha)
         self.temperature = float(temperature)
         self.symmetric = bool(symmetric)
         self.values: list[float] = []  # unweighted alignment loss of every step
         self._calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._handle = None
+        self._handle: RemovableHandle | None = None
 
     @property
     def global_views(self) -> int:
@@ -318,7 +333,7 @@ class RepresentationAligner:
         if torch.is_grad_enabled():  # the online encoder inside a training step (not an evaluation forward)
             self._calls.append((args[0], output))
 
-    def attach(self, method: nn.Module) -> "RepresentationAligner":
+    def attach(self, method: SSLMethod) -> RepresentationAligner:
         self.detach()
         self._handle = method.backbone.register_forward_hook(self._record)
         return self
@@ -336,7 +351,7 @@ class RepresentationAligner:
         with torch.no_grad():
             return self.global_backbone(images)
 
-    def loss(self, method: nn.Module) -> torch.Tensor:
+    def loss(self, method: SSLMethod) -> torch.Tensor:
         calls, self._calls = self._calls, []
         if len(calls) < 2:
             raise RuntimeError(f"representation alignment needs the online encoder to run on both views in a step "
@@ -348,7 +363,7 @@ class RepresentationAligner:
         self.values.append(float(value.detach()))
         return self.alpha * value
 
-    def step(self, method: nn.Module, view1: torch.Tensor, view2: torch.Tensor) -> torch.Tensor:
+    def step(self, method: SSLMethod, view1: torch.Tensor, view2: torch.Tensor) -> torch.Tensor:
         """One complete aligned training step's loss (for accounting): the method's loss + alpha * alignment."""
         handle = method.backbone.register_forward_hook(self._record)
         try:
@@ -366,7 +381,7 @@ class RepresentationAligner:
 # ---------------------------------------------------------------------- server-side calibration
 
 
-def calibrate(cfg: ExperimentConfig, method: nn.Module, images: np.ndarray, *, epochs: int, lr: float, seed: int,
+def calibrate(cfg: ExperimentConfig, method: SSLMethod, images: np.ndarray, *, epochs: int, lr: float, seed: int,
               device: torch.device | str = "cpu", batch_size: int = 0,
               progress: tuple[float, float] | None = None,
               log: Callable[[str], None] | None = None) -> TrainStats:
@@ -379,11 +394,11 @@ def calibrate(cfg: ExperimentConfig, method: nn.Module, images: np.ndarray, *, e
     momentum schedule."""
     epochs = _positive_int("epochs", epochs)
     t = cfg.train
-    method.backbone.set_trainable("all")
-    method.backbone.set_depth_dropout(0.0)
+    _vit(method.backbone).set_trainable("all")
+    _vit(method.backbone).set_depth_dropout(0.0)
     reset_target_from_online(method)
     if progress is not None and hasattr(method, "set_progress_range"):
-        method.set_progress_range(*progress)
+        method.set_progress_range(*progress)  # type: ignore[operator]  # hasattr-checked (MoCo v3)
     return train_ssl(method, images, epochs=epochs, batch_size=int(batch_size) or t.batch_size, lr=lr,
                      optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay, device=device,
                      fast_path=t.fast_path, drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch,
@@ -397,7 +412,7 @@ def _nbytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def frozen_block_forward_flops(backbone: nn.Module, batch_size: int = 2) -> float:
+def frozen_block_forward_flops(backbone: VisionTransformer, batch_size: int = 2) -> float:
     """Forward FLOPs per image of one ViT block (all blocks have the same shape): (f(s blocks) - f(1 block)) /
     (s - 1), on a deep copy; 0 for a one-block encoder."""
     depth = int(backbone.num_active_blocks)
@@ -410,7 +425,7 @@ def frozen_block_forward_flops(backbone: nn.Module, batch_size: int = 2) -> floa
     return (full - one) / (depth - 1)
 
 
-def resource_account(method: nn.Module, *, optimizer: str, batch_size: int, sgd_momentum: float = 0.9,
+def resource_account(method: SSLMethod, *, optimizer: str, batch_size: int, sgd_momentum: float = 0.9,
                      device: torch.device | str | None = None, aligner: RepresentationAligner | None = None,
                      flops_batch: int = 8) -> dict[str, float]:
     """Per-step resources of a local round of ``method`` as configured (trainable mode, depth dropout).
@@ -421,7 +436,7 @@ def resource_account(method: nn.Module, *, optimizer: str, batch_size: int, sgd_
     With depth dropout, ``flops_expected`` subtracts the expected skipped frozen forwards (rate x frozen blocks x
     one block's forward x 2 views). Memory: ``analytic_training_memory`` of one step at ``batch_size`` (the
     aligned step with an aligner; the global copy's weights are added to ``mem_parameters``)."""
-    backbone = method.backbone
+    backbone: Any = method.backbone  # a ViT's depth-dropout attributes where it has them (getattr below)
     rate = float(getattr(backbone, "depth_dropout", 0.0))
     if rate:
         backbone.set_depth_dropout(0.0)  # measure a step that skips nothing (the peak); restored below

@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Union
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ssl_models.methods.base import SSLMethod
 
 DENSE_FP32 = "dense-fp32"
 DENSE_FP16 = "dense-fp16"
@@ -56,7 +59,7 @@ SPARSIFY_VARIANTS: tuple[str, ...] = (ZERO_SIMILARITY, ZERO_PROBABILITY)
 DEFAULT_CHUNK_ROWS = 1024
 
 # what ``ensemble_similarity`` accepts per client: a dense (N, N) matrix or an ``encode_similarity`` payload
-SimilaritySource = Union[torch.Tensor, np.ndarray, Mapping[str, np.ndarray]]
+SimilaritySource = torch.Tensor | np.ndarray | Mapping[str, np.ndarray]
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -252,6 +255,9 @@ def _indices_tensor(indices: np.ndarray, n: int) -> torch.Tensor:
 class _RowSource:
     """Read access to one client's matrix in row blocks: dense rows, or sparse ``(values, indices)`` rows."""
 
+    values: np.ndarray | torch.Tensor  # a dense source as given; a payload's values (an array)
+    indices: np.ndarray | None  # a top-k payload's column indices
+
     def __init__(self, source: SimilaritySource, n: int | None) -> None:
         if isinstance(source, Mapping):
             self.kind, self.n = _payload_kind(source, n)
@@ -264,7 +270,7 @@ class _RowSource:
             self.values = source
             self.indices = None
         else:
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - bad input is a ValueError here, like the checks above
                 "each source must be a torch.Tensor, numpy array or encode_similarity payload, got "
                 f"{type(source).__name__}"
             )
@@ -280,8 +286,9 @@ class _RowSource:
 
     def sparse_rows(self, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 values (a copy, safe to modify in place) and int64 indices of rows [start, stop)."""
-        values = torch.from_numpy(self.values[start:stop].astype(np.float32)).to(device)
-        indices = torch.from_numpy(self.indices[start:stop].astype(np.int64)).to(device)
+        # a payload's rows: values and indices are arrays (kind "topk")
+        values = torch.from_numpy(cast(np.ndarray, self.values)[start:stop].astype(np.float32)).to(device)
+        indices = torch.from_numpy(cast(np.ndarray, self.indices)[start:stop].astype(np.int64)).to(device)
         return values, indices
 
 
@@ -373,7 +380,7 @@ def _accumulate_source_(
                 values, indices = rows.sparse_rows(start, stop, out.device)
                 _add_sparse_rows_(out_rows, values, indices, temperature, sparsify)
             elif server_topk:
-                values, indices = topk_rows(rows.dense_rows(start, stop, out.device), keep_fraction)
+                values, indices = topk_rows(rows.dense_rows(start, stop, out.device), keep_fraction)  # type: ignore[arg-type]  # server_topk: set
                 _add_sparse_rows_(out_rows, values, indices, temperature, sparsify)
             else:
                 _add_dense_rows_(out_rows, rows.dense_rows(start, stop, out.device), temperature)
@@ -410,7 +417,7 @@ def distillation_targets(
 
 # ------------------------------------------------------------------------------------------- client side
 @torch.no_grad()
-def public_representations(method: torch.nn.Module, images_uint8_nhwc: np.ndarray, device: torch.device | str = "cpu",
+def public_representations(method: SSLMethod, images_uint8_nhwc: np.ndarray, device: torch.device | str = "cpu",
                            batch_size: int = 512) -> torch.Tensor:
     """Projector outputs ``projector(backbone(x))`` of the public images, eval mode, no augmentation, float32 on
     the CPU (FLESD's representations: the contrastive head's output). The module's modes are restored."""
@@ -435,6 +442,6 @@ def client_similarity_payload(representations: torch.Tensor, mode: str, fraction
     """What a FLESD client uploads: the similarity matrix of its representations in transport form. The
     top-n% form is computed row-block by row-block, never holding the (N, N) matrix."""
     if mode == TOPK:
-        values, indices = similarity_topk(representations, fraction)
+        values, indices = similarity_topk(representations, fraction)  # type: ignore[arg-type]  # None: a ValueError
         return pack_topk(values, indices, int(representations.shape[0]))
     return encode_similarity(similarity_matrix(representations), mode)

@@ -41,6 +41,13 @@ class SSLMethod(nn.Module):
     """
 
     name: ClassVar[str] = "base"
+    # The contract's modules, declared for the type checker (nn.Module's attribute lookup types an undeclared
+    # attribute as Tensor | Module). Subclasses assign them; the predictor and the target branch only where the
+    # method has them (has_predictor, has_target).
+    projector: nn.Module
+    predictor: nn.Module
+    target_backbone: nn.Module
+    target_projector: nn.Module
 
     def __init__(self, backbone: nn.Module, feature_dim: int, **options: Any) -> None:
         super().__init__()
@@ -147,4 +154,4 @@ def check_momentum(name: str, value: Any) -> None:
 def check_bool(name: str, value: Any) -> None:
     """Raise ValueError unless ``value`` is a real bool (a YAML typo like "false" must not read as True)."""
     if not isinstance(value, bool):
-        raise ValueError(f"option {name!r} must be true or false, got {value!r}")
+        raise ValueError(f"option {name!r} must be true or false, got {value!r}")  # noqa: TRY004 - a config error: load_experiment reports ValueErrors

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssl_models.networks.heads import MLPHead
-from ssl_models.methods.losses import byol_regression_loss
 from ssl_models.methods.base import SSLMethod, check_bool, check_momentum
+from ssl_models.methods.losses import byol_regression_loss
+from ssl_models.networks.heads import MLPHead
 
 
 class BYOL(SSLMethod):

@@ -8,7 +8,8 @@ keeps the losses numerically safe when the embeddings come out of a bf16 autocas
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +109,7 @@ def proximal_term(params: dict[str, torch.Tensor], anchors: dict[str, torch.Tens
     if not keys:
         raise ValueError("proximal_term: no parameter has a global anchor")
     total = sum(((params[k].float() - anchors[k].float()) ** 2).sum() for k in keys)
-    return (0.5 * mu if half else mu) * total
+    return (0.5 * mu if half else mu) * cast(torch.Tensor, total)  # keys is not empty: a tensor, never the 0 start
 
 
 @_float32_loss

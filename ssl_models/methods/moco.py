@@ -29,15 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_models.networks.heads import MLPHead
-from ssl_models.methods.losses import info_nce_loss
 from ssl_models.methods.base import SSLMethod, check_bool, check_momentum, check_positive
+from ssl_models.methods.losses import info_nce_loss
+from ssl_models.networks.heads import MLPHead
 
 VERSION_TEMPERATURES: dict[int, float] = {1: 0.07, 2: 0.2}
 
 
 class MoCo(SSLMethod):
     name = "moco"
+    queue: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    queue_ptr: torch.Tensor
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssl_models.networks.heads import MLPHead
-from ssl_models.methods.losses import mocov3_contrastive_loss
 from ssl_models.methods.base import SSLMethod, check_bool, check_momentum, check_positive
+from ssl_models.methods.losses import mocov3_contrastive_loss
+from ssl_models.networks.heads import MLPHead
 
 MOMENTUM_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 

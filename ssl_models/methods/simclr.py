@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssl_models.networks.heads import MLPHead
-from ssl_models.methods.losses import nt_xent_loss
 from ssl_models.methods.base import SSLMethod, check_bool, check_positive
+from ssl_models.methods.losses import nt_xent_loss
+from ssl_models.networks.heads import MLPHead
 
 
 class SimCLR(SSLMethod):

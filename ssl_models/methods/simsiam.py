@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssl_models.networks.heads import MLPHead
-from ssl_models.methods.losses import negative_cosine_similarity
 from ssl_models.methods.base import SSLMethod, check_bool
+from ssl_models.methods.losses import negative_cosine_similarity
+from ssl_models.networks.heads import MLPHead
 
 
 class SimSiam(SSLMethod):

@@ -11,7 +11,8 @@ takes one architecture option, ``depth`` (blocks held, default 12): ``build_back
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 

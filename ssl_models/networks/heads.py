@@ -7,6 +7,8 @@ single linear layer (``num_layers=1``).
 
 from __future__ import annotations
 
+import itertools
+
 from torch import nn
 
 FEDEMA_PROJ_HIDDEN_DIM = 4096
@@ -37,7 +39,7 @@ class MLPHead(nn.Sequential):
         _check_positive_int("num_layers", num_layers)
         layers: list[nn.Module] = []
         dims = [in_dim] + [hidden_dim] * (num_layers - 1)
-        for layer_in, layer_out in zip(dims[:-1], dims[1:]):
+        for layer_in, layer_out in itertools.pairwise(dims):
             layers.append(nn.Linear(layer_in, layer_out, bias=not batch_norm))
             if batch_norm:
                 layers.append(nn.BatchNorm1d(layer_out))

@@ -22,6 +22,9 @@ from torch import nn
 class InputNormalization(nn.Module):
     """``(x - mean) / std`` over the channels of an (N, 3, H, W) batch."""
 
+    mean: torch.Tensor  # buffers (register_buffer below), declared for the type checker
+    std: torch.Tensor
+
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         mean, std = [float(v) for v in mean], [float(v) for v in std]

@@ -38,8 +38,9 @@ the depth-dropout settings are in the state dict: every party sets them from its
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import nullcontext
-from typing import Literal, Mapping
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,7 @@ class VisionTransformer(nn.Module):
         fan_in = self.patch_embed.weight[0].numel()
         bound = math.sqrt(6.0 / (fan_in + self.embed_dim))
         nn.init.uniform_(self.patch_embed.weight, -bound, bound)
-        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.zeros_(self.patch_embed.bias)  # type: ignore[arg-type]  # a Conv2d with bias: never None
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
 
@@ -198,7 +199,7 @@ class VisionTransformer(nn.Module):
     @property
     def active_block(self) -> Block:
         """The last active block (the one that trains in ``"last_block"`` mode)."""
-        return self.blocks[self.num_active_blocks - 1]
+        return cast(Block, self.blocks[self.num_active_blocks - 1])
 
     def grow(self, init: str = "copy") -> Block:
         """Append one block after the last one held and make every block active; returns the new block.
@@ -329,7 +330,7 @@ def build_vit(arch: str, width: float = 1.0, depth: int = DEFAULT_DEPTH) -> tupl
     return model, model.feature_dim
 
 
-def vit_depth_of_state(state: Mapping[str, object], prefix: str = "") -> int:
+def vit_depth_of_state(state: Iterable[str], prefix: str = "") -> int:
     """Number of blocks in a ViT state dict (keys ``{prefix}blocks.<i>.``); 0 when there are none."""
     start = f"{prefix}blocks."
     indices = {int(key[len(start):].split(".", 1)[0]) for key in state if key.startswith(start)}
@@ -339,9 +340,9 @@ def vit_depth_of_state(state: Mapping[str, object], prefix: str = "") -> int:
 
 
 __all__ = [
+    "MLP",
     "Attention",
     "Block",
-    "MLP",
     "VisionTransformer",
     "build_vit",
     "build_vit_tiny",
