@@ -83,7 +83,7 @@ def code_mismatch_reason(text: str) -> str | None:
     in a simulation is wrapped in Ray's multi-line exception report; None when the text holds no refusal."""
     for line in str(text).splitlines():
         if f"{CODE_MISMATCH}:" in line:
-            return line[line.index(f"{CODE_MISMATCH}:"):].strip().rstrip("'\">)")
+            return line[line.index(f"{CODE_MISMATCH}:") :].strip().rstrip("'\">)")
     return None
 
 
@@ -99,7 +99,7 @@ def readable_reason(text: str | None, limit: int = 300) -> str:
         named = [ln for ln in lines if ":" in ln and not ln.startswith(("File ", "^", "~"))]
         text = named[-1] if named else (lines[-1] if lines else text)
     text = " ".join(text.replace("\x1b[36m", "").replace("\x1b[39m", "").split()).strip(" '\">")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_same_code(config) -> None:
@@ -114,7 +114,8 @@ def check_same_code(config) -> None:
             f"{CODE_MISMATCH}: this ClientApp runs code {mine[:16]} (wire format v{WIRE_VERSION}) loaded from "
             f"{APP_ROOT}, the ServerApp code {str(theirs)[:16]} (wire format v{version}). Every client must run the "
             "submitted app: in a simulation, the local SuperLink imports the ClientApp from the folder it was first "
-            "started in; stop that SuperLink (or give this checkout its own FLWR_HOME and ports) and run again")
+            "started in; stop that SuperLink (or give this checkout its own FLWR_HOME and ports) and run again"
+        )
 
 
 # ---------------------------------------------------------------------- a stopped run
@@ -193,7 +194,9 @@ def to_array_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
     arrays = []
     for name, value in state.items():
         if not isinstance(name, str) or not name or "\t" in name or "\n" in name:
-            raise ValueError(f"array name {name!r} cannot travel: names must be non-empty text without tabs or newlines")
+            raise ValueError(
+                f"array name {name!r} cannot travel: names must be non-empty text without tabs or newlines"
+            )
         value = np.ascontiguousarray(value)
         if value.dtype.hasobject:
             raise ValueError(f"array {name!r} has dtype {value.dtype}: only plain numeric arrays travel")
@@ -202,7 +205,7 @@ def to_array_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
     packed = np.empty(sum(value.nbytes for _, value in arrays), dtype=np.uint8)
     offset = 0
     for _, value in arrays:
-        packed[offset:offset + value.nbytes] = value.reshape(-1).view(np.uint8)
+        packed[offset : offset + value.nbytes] = value.reshape(-1).view(np.uint8)
         offset += value.nbytes
     return ArrayRecord({MANIFEST_KEY: Array(np.frombuffer(manifest, dtype=np.uint8)), PACKED_KEY: Array(packed)})
 
@@ -255,13 +258,15 @@ def from_array_record(record: ArrayRecord) -> OrderedDict:
     packed = record[PACKED_KEY].numpy()
     expected = sum(entry_nbytes(dtype, shape) for _, dtype, shape in entries)
     if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != expected:
-        raise ValueError(f"packed record: buffer holds {packed.nbytes} bytes ({packed.dtype}, shape {packed.shape}), "
-                         f"its manifest describes {expected} bytes of uint8")
+        raise ValueError(
+            f"packed record: buffer holds {packed.nbytes} bytes ({packed.dtype}, shape {packed.shape}), "
+            f"its manifest describes {expected} bytes of uint8"
+        )
     out, offset = OrderedDict(), 0
     for name, dtype, shape in entries:
         size = entry_nbytes(dtype, shape)
         # a copy per array: aligned for its dtype, writable, and not keeping the whole buffer alive
-        out[name] = packed[offset:offset + size].view(dtype).reshape(shape).copy() if size else np.empty(shape, dtype)
+        out[name] = packed[offset : offset + size].view(dtype).reshape(shape).copy() if size else np.empty(shape, dtype)
         offset += size
     return out
 
@@ -335,7 +340,7 @@ class RoundStateStore(DiskStateStore):
         prefix = f"client_{int(client_id)}.r"
         out = []
         for path in self.root.glob(f"{prefix}*.npz"):
-            digits = path.name[len(prefix):-len(".npz")]
+            digits = path.name[len(prefix) : -len(".npz")]
             if digits.isdigit():
                 out.append((int(digits), path))
         return sorted(out)
@@ -359,7 +364,7 @@ class RoundStateStore(DiskStateStore):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        for _, old in self.versions(client_id)[:-self.keep]:
+        for _, old in self.versions(client_id)[: -self.keep]:
             old.unlink(missing_ok=True)
 
     def load(self, client_id: int) -> dict[str, np.ndarray] | None:

@@ -37,8 +37,10 @@ from ssl_models.networks import build_backbone
 from ssl_models.training import CompiledStep, cpu_has_fast_bf16, fast_path_for
 
 RESULTS = REPO / "benchmarks" / "results"
-HEADS = {"simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
-         "byol": {"proj_hidden_dim": 4096, "proj_out_dim": 256, "pred_hidden_dim": 4096}}
+HEADS = {
+    "simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
+    "byol": {"proj_hidden_dim": 4096, "proj_out_dim": 256, "pred_hidden_dim": 4096},
+}
 
 
 def time_steps(method_name: str, batch: int, steps: int, backend: str | None) -> dict:
@@ -69,8 +71,14 @@ def time_steps(method_name: str, batch: int, steps: int, backend: str | None) ->
         opt.step()
         model.after_optimizer_step()
         seconds.append(time.perf_counter() - t0)
-    return {"seconds": seconds, "first_s": seconds[0], "warm_median_s": statistics.median(seconds[1:]),
-            "compiled": step_fn.active, "fallback": step_fn.fallback, "log": messages}
+    return {
+        "seconds": seconds,
+        "first_s": seconds[0],
+        "warm_median_s": statistics.median(seconds[1:]),
+        "compiled": step_fn.active,
+        "fallback": step_fn.fallback,
+        "log": messages,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8, help="steps per mode, the first one included")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--warm-cache", action="store_true",
-                    help="keep inductor's usual on-disk cache (default: an empty one, so compilation is measured cold)")
+    ap.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="keep inductor's usual on-disk cache (default: an empty one, so compilation is measured cold)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "compile_step"))
     args = ap.parse_args(argv)
     if args.steps < 3:
@@ -92,13 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     extra = compiled["first_s"] - eager["first_s"]
     result = {
         "command": f"python benchmarks/bench_compile.py --method {args.method} --batch {args.batch} "
-                   f"--steps {args.steps} --threads {args.threads}" + (" --warm-cache" if args.warm_cache else ""),
+        f"--steps {args.steps} --threads {args.threads}" + (" --warm-cache" if args.warm_cache else ""),
         "inductor_cache": "warm (the usual on-disk cache)" if args.warm_cache else "cold (an empty cache)",
-        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(), "torch": torch.__version__,
-        "threads": args.threads, "native_bf16": cpu_has_fast_bf16(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "native_bf16": cpu_has_fast_bf16(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the widest vector ISA torch uses here
         "step": f"{args.method}, CIFAR ResNet-18 width 1.0, batch {args.batch} x 2 views, fast path, SGD",
-        "eager": eager, "compiled": compiled,
+        "eager": eager,
+        "compiled": compiled,
         "warm_speedup": eager["warm_median_s"] / compiled["warm_median_s"],
         # Warm steps after which compilation's extra first-step time is paid back (None: never).
         "break_even_steps": (extra / saved) if saved > 0 and compiled["compiled"] else None,
@@ -107,16 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     be = result["break_even_steps"]
-    lines = [f"# torch.compile of the training step ({result['date']})", "",
-             (f"Command: `{result['command']}`. Machine: {result['machine']} ({result['cpu_capability']}), {args.threads} "
-             f"torch threads, native bf16: {result['native_bf16']}, torch {result['torch']}. Step: {result['step']}. "
-             f"Inductor's kernel cache: {result['inductor_cache']}."), "",
-             "| mode | first step s | warm step s (median) | compiled |", "|---|---|---|---|",
-             f"| eager | {eager['first_s']:.2f} | {eager['warm_median_s']:.3f} | - |",
-             (f"| torch.compile (inductor) | {compiled['first_s']:.2f} | {compiled['warm_median_s']:.3f} | "
-             f"{'yes' if compiled['compiled'] else 'no: ' + str(compiled['fallback'])} |"), "",
-             f"Warm speed-up: **{result['warm_speedup']:.2f}x**; compilation pays for itself after "
-             + (f"**{be:.0f} warm steps**." if be is not None else "**never** (no warm step is faster).")]
+    lines = [
+        f"# torch.compile of the training step ({result['date']})",
+        "",
+        (
+            f"Command: `{result['command']}`. Machine: {result['machine']} ({result['cpu_capability']}), {args.threads} "
+            f"torch threads, native bf16: {result['native_bf16']}, torch {result['torch']}. Step: {result['step']}. "
+            f"Inductor's kernel cache: {result['inductor_cache']}."
+        ),
+        "",
+        "| mode | first step s | warm step s (median) | compiled |",
+        "|---|---|---|---|",
+        f"| eager | {eager['first_s']:.2f} | {eager['warm_median_s']:.3f} | - |",
+        (
+            f"| torch.compile (inductor) | {compiled['first_s']:.2f} | {compiled['warm_median_s']:.3f} | "
+            f"{'yes' if compiled['compiled'] else 'no: ' + str(compiled['fallback'])} |"
+        ),
+        "",
+        f"Warm speed-up: **{result['warm_speedup']:.2f}x**; compilation pays for itself after "
+        + (f"**{be:.0f} warm steps**." if be is not None else "**never** (no warm step is faster)."),
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

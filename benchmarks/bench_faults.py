@@ -36,18 +36,34 @@ from fedssl_wire import from_array_record, to_array_record
 
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = {
-    "name": "faults", "seed": 0, "rounds": 3,
+    "name": "faults",
+    "seed": 0,
+    "rounds": 3,
     "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 32, "partition": "iid"},
     "model": {"arch": "resnet18", "width": 0.125},
     "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
     "strategy": {"name": "fedssl"},
     "federation": {"num_clients": 2, "node_wait_s": 0.0, "max_reply_mb": 1.0},
     "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False, "device": "cpu"},
-    "eval": {"knn_every": 1, "knn_k": 5, "linear_probe": False, "max_train": 40, "max_test": 20, "device": "cpu",
-             "random_init_reference": False},
+    "eval": {
+        "knn_every": 1,
+        "knn_k": 5,
+        "linear_probe": False,
+        "max_train": 40,
+        "max_test": 20,
+        "device": "cpu",
+        "random_init_reference": False,
+    },
 }
-FAULTS = ("no reply", "ClientApp raises", "NaN weights", "wrong shape", "missing array", "oversized reply",
-          "another client's id")
+FAULTS = (
+    "no reply",
+    "ClientApp raises",
+    "NaN weights",
+    "wrong shape",
+    "missing array",
+    "oversized reply",
+    "another client's id",
+)
 
 
 class FaultGrid:
@@ -55,8 +71,16 @@ class FaultGrid:
 
     def __init__(self, fault: str):
         self.fault = fault
-        self.contexts = {100 + pid: Context(run_id=1, node_id=100 + pid, state=RecordDict(), run_config={},
-                                            node_config={"partition-id": pid, "num-partitions": 2}) for pid in (0, 1)}
+        self.contexts = {
+            100 + pid: Context(
+                run_id=1,
+                node_id=100 + pid,
+                state=RecordDict(),
+                run_config={},
+                node_config={"partition-id": pid, "num-partitions": 2},
+            )
+            for pid in (0, 1)
+        }
         self.good_upload_round2 = None
 
     def get_node_ids(self):
@@ -65,7 +89,7 @@ class FaultGrid:
     def send_and_receive(self, messages, timeout=None):
         replies = []
         for m in messages:
-            target = (m.metadata.message_type == "train" and int(m.content["config"]["server-round"]) == 2)
+            target = m.metadata.message_type == "train" and int(m.content["config"]["server-round"]) == 2
             if target and m.metadata.dst_node_id == 101 and self.fault == "no reply":
                 continue
             try:
@@ -115,19 +139,35 @@ def scenario(fault: str) -> dict:
 
         fedssl_module.FedSSL.aggregate_train = aggregate_train
         try:
-            server_module.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                             run_config={"config": str(tmp / "cfg.yaml"), "output-dir": str(tmp / "out")}))
+            server_module.main(
+                grid,
+                Context(
+                    run_id=1,
+                    node_id=0,
+                    node_config={},
+                    state=RecordDict(),
+                    run_config={"config": str(tmp / "cfg.yaml"), "output-dir": str(tmp / "out")},
+                ),
+            )
         finally:
             fedssl_module.FedSSL.aggregate_train = real_aggregate
         rounds = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
         failed = rounds[1]["failed_clients"] if len(rounds) > 1 else []
         good = grid.good_upload_round2 or {}
-        clean = bool(good) and set(good) == set(round2_global) and all(
-            np.array_equal(good[k], round2_global[k]) for k in good)
-        return {"fault": fault, "injected": 1, "rounds_completed": len(rounds), "rounds_lost": 3 - len(rounds),
-                "named": [f"client {f['id']}: {f['reason']}" for f in failed],
-                "models_corrupted": 0 if clean else 1,
-                "summary_written": (tmp / "out" / "summary.json").is_file()}
+        clean = (
+            bool(good)
+            and set(good) == set(round2_global)
+            and all(np.array_equal(good[k], round2_global[k]) for k in good)
+        )
+        return {
+            "fault": fault,
+            "injected": 1,
+            "rounds_completed": len(rounds),
+            "rounds_lost": 3 - len(rounds),
+            "named": [f"client {f['id']}: {f['reason']}" for f in failed],
+            "models_corrupted": 0 if clean else 1,
+            "summary_written": (tmp / "out" / "summary.json").is_file(),
+        }
 
 
 def main() -> int:
@@ -140,19 +180,28 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M")
     rows = [scenario(f) for f in FAULTS]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "faults.json").write_text(json.dumps({"command": "python benchmarks/bench_faults.py", "rows": rows},
-                                                    indent=2))
-    lines = [f"# Faults injected and survived ({started})", "",
-             ("Command: `python benchmarks/bench_faults.py` (in-process runs of the real ServerApp and ClientApp: 2 "
-             "clients, 3 rounds, synthetic data; one fault in client 1's round-2 reply per row). `models corrupted`: "
-             "1 if the global model after round 2 differs from client 0's upload, the only valid one. The "
-             "kill-and-resume fault is `tests/test_e2e_resume.py` (a real `flwr run` killed in round 3 of 3, resumed "
-             "to the same final metrics as the run left alone: 0 rounds lost, 0 repeated)."), "",
-             "| fault | injected | rounds completed | rounds lost | named in failed_clients | models corrupted |",
-             "|---|---|---|---|---|---|"]
+    (RESULTS / "faults.json").write_text(
+        json.dumps({"command": "python benchmarks/bench_faults.py", "rows": rows}, indent=2)
+    )
+    lines = [
+        f"# Faults injected and survived ({started})",
+        "",
+        (
+            "Command: `python benchmarks/bench_faults.py` (in-process runs of the real ServerApp and ClientApp: 2 "
+            "clients, 3 rounds, synthetic data; one fault in client 1's round-2 reply per row). `models corrupted`: "
+            "1 if the global model after round 2 differs from client 0's upload, the only valid one. The "
+            "kill-and-resume fault is `tests/test_e2e_resume.py` (a real `flwr run` killed in round 3 of 3, resumed "
+            "to the same final metrics as the run left alone: 0 rounds lost, 0 repeated)."
+        ),
+        "",
+        "| fault | injected | rounds completed | rounds lost | named in failed_clients | models corrupted |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['fault']} | {r['injected']} | {r['rounds_completed']} / 3 | {r['rounds_lost']} | "
-                     f"{'; '.join(r['named']) or '-'} | {r['models_corrupted']} |")
+        lines.append(
+            f"| {r['fault']} | {r['injected']} | {r['rounds_completed']} / 3 | {r['rounds_lost']} | "
+            f"{'; '.join(r['named']) or '-'} | {r['models_corrupted']} |"
+        )
     (RESULTS / "faults.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["models_corrupted"] == 0 and r["rounds_lost"] == 0 for r in rows) else 1

@@ -57,11 +57,12 @@ class PeakSampler(threading.Thread):
 
 def run_case(npz: Path, num_clients: int, per_round: int, client_state: str, rounds: int) -> dict:
     raw = {
-        "name": f"mem-{num_clients}-{client_state}", "seed": 0, "rounds": rounds,
+        "name": f"mem-{num_clients}-{client_state}",
+        "seed": 0,
+        "rounds": rounds,
         "data": {"dataset": "cifar10", "path": str(npz), "max_train": 40 * num_clients, "partition": "iid"},
         "model": {"arch": "resnet18", "width": 0.25},
-        "method": {"name": "byol", "options": {"proj_hidden_dim": 256, "proj_out_dim": 128,
-                                               "pred_hidden_dim": 256}},
+        "method": {"name": "byol", "options": {"proj_hidden_dim": 256, "proj_out_dim": 128, "pred_hidden_dim": 256}},
         "strategy": {"name": "fedema", "options": {"client_state": client_state}},
         "federation": {"num_clients": num_clients, "clients_per_round": per_round},
         "train": {"local_epochs": 1, "batch_size": 32, "max_steps_per_epoch": 2, "lr": 0.05},
@@ -74,8 +75,12 @@ def run_case(npz: Path, num_clients: int, per_round: int, client_state: str, rou
         sampler = PeakSampler(home)
         sampler.start()
         t0 = time.perf_counter()
-        proc = flwr_run(f"config='{tmp / 'cfg.yaml'}' output-dir='{tmp / 'out'}'", home,
-                        federation_config=f"num-supernodes={num_clients}", timeout_s=1800)
+        proc = flwr_run(
+            f"config='{tmp / 'cfg.yaml'}' output-dir='{tmp / 'out'}'",
+            home,
+            federation_config=f"num-supernodes={num_clients}",
+            timeout_s=1800,
+        )
         sampler.stop_flag.set()
         sampler.join()
         if not (tmp / "out" / "summary.json").is_file():
@@ -83,8 +88,12 @@ def run_case(npz: Path, num_clients: int, per_round: int, client_state: str, rou
         records = read_jsonl(tmp / "out" / "metrics.jsonl")
         state_files = list((tmp / "out" / "client_state").glob("run-*/client_*.npz"))
         return {
-            "num_clients": num_clients, "clients_per_round": per_round, "client_state": client_state,
-            "rounds": rounds, "peak_rss_mib": sampler.peak / 2**20, "samples": sampler.samples,
+            "num_clients": num_clients,
+            "clients_per_round": per_round,
+            "client_state": client_state,
+            "rounds": rounds,
+            "peak_rss_mib": sampler.peak / 2**20,
+            "samples": sampler.samples,
             "wall_s": time.perf_counter() - t0,
             "clients_trained": len({c["id"] for r in records for c in r["clients"]}),
             "state_files": len(state_files),
@@ -108,21 +117,36 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    shown = "python benchmarks/bench_fedema_memory.py --data " + npz.name + (
-        f" --rounds {args.rounds}" if args.rounds != 3 else "")
-    out.with_suffix(".json").write_text(json.dumps({"command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
-                                                    "cases": results}, indent=2) + "\n")
-    lines = [f"# FedEMA client-state memory ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             (f"Command: `{shown}`. Tiny scale: ResNet-18 width 0.25 BYOL (heads 256), 40 images per client, "
-             f"2 local steps of batch 32, {args.rounds} rounds, 2-core CPU, `flwr run` simulation "
-             "(client-resources num-cpus=2). Peak = highest sum of the RSS of all the run's processes "
-             "(SuperLink, SuperExec, simulation, Ray and its workers), sampled every 0.25 s."), "",
-             ("| clients | per round | client state | clients trained | peak RSS (MiB) | state on disk (MiB) | "
-             "one client's state (MiB) | wall s |"), "|---|---|---|---|---|---|---|---|"]
+    shown = (
+        "python benchmarks/bench_fedema_memory.py --data "
+        + npz.name
+        + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+    )
+    out.with_suffix(".json").write_text(
+        json.dumps({"command": shown, "date": time.strftime("%Y-%m-%d %H:%M"), "cases": results}, indent=2) + "\n"
+    )
+    lines = [
+        f"# FedEMA client-state memory ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        (
+            f"Command: `{shown}`. Tiny scale: ResNet-18 width 0.25 BYOL (heads 256), 40 images per client, "
+            f"2 local steps of batch 32, {args.rounds} rounds, 2-core CPU, `flwr run` simulation "
+            "(client-resources num-cpus=2). Peak = highest sum of the RSS of all the run's processes "
+            "(SuperLink, SuperExec, simulation, Ray and its workers), sampled every 0.25 s."
+        ),
+        "",
+        (
+            "| clients | per round | client state | clients trained | peak RSS (MiB) | state on disk (MiB) | "
+            "one client's state (MiB) | wall s |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['num_clients']} | {r['clients_per_round']} | {r['client_state']} | "
-                     f"{r['clients_trained']} | {r['peak_rss_mib']:.0f} | {r['state_disk_mib']:.1f} | "
-                     f"{r['state_file_mib']:.2f} | {r['wall_s']:.0f} |")
+        lines.append(
+            f"| {r['num_clients']} | {r['clients_per_round']} | {r['client_state']} | "
+            f"{r['clients_trained']} | {r['peak_rss_mib']:.0f} | {r['state_disk_mib']:.1f} | "
+            f"{r['state_file_mib']:.2f} | {r['wall_s']:.0f} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0

@@ -127,9 +127,15 @@ class PeakWindow:
     def report(self, n: int) -> dict[str, Any]:
         n2_float32 = 4 * n * n
         delta = self.peak - self.baseline
-        return {"baseline_rss_mib": self.baseline / MIB, "peak_rss_mib": self.peak / MIB,
-                "delta_mib": delta / MIB, "delta_in_n2_float32": delta / n2_float32,
-                "n2_float32_mib": n2_float32 / MIB, "seconds": self.seconds, "peak_reset_ok": self.reset_ok}
+        return {
+            "baseline_rss_mib": self.baseline / MIB,
+            "peak_rss_mib": self.peak / MIB,
+            "delta_mib": delta / MIB,
+            "delta_in_n2_float32": delta / n2_float32,
+            "n2_float32_mib": n2_float32 / MIB,
+            "seconds": self.seconds,
+            "peak_reset_ok": self.reset_ok,
+        }
 
 
 def warm_up(mode: str, fraction: float | None, dim: int, server: bool) -> None:
@@ -150,14 +156,17 @@ def model_upload(proj_hidden_dim: int = 512, proj_out_dim: int = 128) -> dict[st
     """What a FedAvg client uploads for SimCLR on a CIFAR ResNet-18: the shared (online) state dict."""
     torch.manual_seed(0)
     backbone, feature_dim = build_backbone("resnet18", 1.0)
-    method = build_method("simclr", backbone, feature_dim, proj_hidden_dim=proj_hidden_dim,
-                          proj_out_dim=proj_out_dim)
+    method = build_method("simclr", backbone, feature_dim, proj_hidden_dim=proj_hidden_dim, proj_out_dim=proj_out_dim)
     shared, local = split_state(method, method.shared_prefixes())
     state = state_to_numpy(shared)
-    return {"model": f"resnet18 (width 1.0) + projector {feature_dim}->{proj_hidden_dim}->{proj_out_dim}",
-            "arrays": len(state), "not_uploaded_arrays": len(local),
-            "parameters": int(sum(p.numel() for p in method.parameters())),
-            "raw_bytes": payload_bytes(state), "flower_bytes": flower_bytes(state)}
+    return {
+        "model": f"resnet18 (width 1.0) + projector {feature_dim}->{proj_hidden_dim}->{proj_out_dim}",
+        "arrays": len(state),
+        "not_uploaded_arrays": len(local),
+        "parameters": int(sum(p.numel() for p in method.parameters())),
+        "raw_bytes": payload_bytes(state),
+        "flower_bytes": flower_bytes(state),
+    }
 
 
 def upload_bytes(n: int, dim: int, model_flower_bytes: int) -> list[dict[str, Any]]:
@@ -169,20 +178,29 @@ def upload_bytes(n: int, dim: int, model_flower_bytes: int) -> list[dict[str, An
         payload = client_similarity_payload(representations, mode, fraction)
         seconds = time.perf_counter() - t0
         flower = flower_bytes(payload)
-        rows.append({
-            "n": n, "format": label, "mode": mode, "fraction": fraction,
-            "k_per_row": topk_count(n, fraction) if mode == TOPK else n,
-            "dtypes": {key: str(array.dtype) for key, array in payload.items()},
-            "raw_bytes": payload_bytes(payload), "flower_bytes": flower, "flower_mib": flower / MIB,
-            "ratio_to_resnet18": flower / model_flower_bytes, "payload_s": seconds,
-        })
+        rows.append(
+            {
+                "n": n,
+                "format": label,
+                "mode": mode,
+                "fraction": fraction,
+                "k_per_row": topk_count(n, fraction) if mode == TOPK else n,
+                "dtypes": {key: str(array.dtype) for key, array in payload.items()},
+                "raw_bytes": payload_bytes(payload),
+                "flower_bytes": flower,
+                "flower_mib": flower / MIB,
+                "ratio_to_resnet18": flower / model_flower_bytes,
+                "payload_s": seconds,
+            }
+        )
         del payload
     return rows
 
 
 # ------------------------------------------------------------------------------------------- part 2
-def server_ensemble_case(n: int, num_clients: int, mode: str, fraction: float | None, dim: int,
-                         threads: int) -> dict[str, Any]:
+def server_ensemble_case(
+    n: int, num_clients: int, mode: str, fraction: float | None, dim: int, threads: int
+) -> dict[str, Any]:
     """Run in a fresh process: K uploads as ArrayRecords (the server's replies), then the measured ensemble."""
     torch.set_num_threads(threads)
     records = []
@@ -197,8 +215,14 @@ def server_ensemble_case(n: int, num_clients: int, mode: str, fraction: float | 
         payloads = (from_array_record(record) for record in records)
         ensemble = ensemble_similarity(payloads, TARGET_TEMPERATURE, sparsify="zero_probability", n=n)
     assert ensemble.shape == (n, n) and bool(torch.isfinite(ensemble[:8]).all())
-    return {"n": n, "clients": num_clients, "mode": mode, "fraction": fraction,
-            "received_uploads_mib": received_mib, **window.report(n)}
+    return {
+        "n": n,
+        "clients": num_clients,
+        "mode": mode,
+        "fraction": fraction,
+        "received_uploads_mib": received_mib,
+        **window.report(n),
+    }
 
 
 # ------------------------------------------------------------------------------------------- part 3
@@ -209,12 +233,18 @@ def client_payload_case(n: int, mode: str, fraction: float | None, dim: int, thr
     warm_up(mode, fraction, dim, server=False)
     with PeakWindow() as window:
         payload = client_similarity_payload(representations, mode, fraction)
-    result = {"n": n, "mode": mode, "fraction": fraction, "payload_mib": payload_bytes(payload) / MIB,
-              **window.report(n)}
+    result = {
+        "n": n,
+        "mode": mode,
+        "fraction": fraction,
+        "payload_mib": payload_bytes(payload) / MIB,
+        **window.report(n),
+    }
     record = to_array_record(payload)  # what the client then sends: its serialised copy
     result["peak_with_record_mib"] = proc_status_kib("VmHWM") * 1024 / MIB
     result["delta_with_record_in_n2_float32"] = (
-        (result["peak_with_record_mib"] - result["baseline_rss_mib"]) * MIB / (4 * n * n))
+        (result["peak_with_record_mib"] - result["baseline_rss_mib"]) * MIB / (4 * n * n)
+    )
     del record
     return result
 
@@ -239,7 +269,7 @@ def break_even_n(mode: str, fraction: float | None, model_bytes: int) -> int:
 
 
 def span(values) -> str:
-    """"a to b", or "a" when every value rounds to the same figure."""
+    """ "a to b", or "a" when every value rounds to the same figure."""
     values = sorted(values)
     low, high = f"{values[0]:.2f}", f"{values[-1]:.2f}"
     return low if low == high else f"{low} to {high}"
@@ -252,55 +282,77 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         model = results["model_upload"]
         for r in results["upload_bytes"]:
             assert r["raw_bytes"] == formula_bytes(r["n"], r["mode"], r["fraction"]), r
-        lines.append("- Break-even public-set size (upload = ResNet-18 + projector weights, raw bytes): " + ", ".join(
-            f"{label} N = {break_even_n(mode, fraction, model['raw_bytes']):,}"
-            for label, mode, fraction in UPLOAD_FORMATS) + ". Dense uploads grow as N^2, top-k as k N with "
+        lines.append(
+            "- Break-even public-set size (upload = ResNet-18 + projector weights, raw bytes): "
+            + ", ".join(
+                f"{label} N = {break_even_n(mode, fraction, model['raw_bytes']):,}"
+                for label, mode, fraction in UPLOAD_FORMATS
+            )
+            + ". Dense uploads grow as N^2, top-k as k N with "
             "k = 0.1 N or 0.01 N, so also quadratically; the raw byte counts match the formula table of "
-            "`ssl_models/federated/similarity.py` exactly, and Flower adds 134 to 269 bytes of headers and key names.")
+            "`ssl_models/federated/similarity.py` exactly, and Flower adds 134 to 269 bytes of headers and key names."
+        )
     server = results.get("server_ensemble", [])
     if server:
         by_mode: dict[str, list[dict[str, Any]]] = {}
         for r in server:
             by_mode.setdefault(mode_label(r["mode"], r["fraction"]), []).append(r)
-        parts = [f"{label}: {span(r['delta_in_n2_float32'] for r in rows)} N^2 float32 for K = "
-                 f"{', '.join(str(r['clients']) for r in rows)}" for label, rows in by_mode.items()]
+        parts = [
+            f"{label}: {span(r['delta_in_n2_float32'] for r in rows)} N^2 float32 for K = "
+            f"{', '.join(str(r['clients']) for r in rows)}"
+            for label, rows in by_mode.items()
+        ]
         n = server[0]["n"]
-        lines.append("- Server ensemble, growth over the baseline: " + "; ".join(parts) + ". It hardly depends on "
-                     "K: the accumulator (1.0) plus one decoded upload (top-10 %: 0.1; dense fp16 decoded from "
-                     f"its record: 0.5) plus a float32 row block (1,024 rows: {min(1.0, 1024 / n):.2f} at "
-                     f"N = {n:,}). The K received uploads themselves sit in the baseline (the replies), K times "
-                     "the per-client upload.")
+        lines.append(
+            "- Server ensemble, growth over the baseline: " + "; ".join(parts) + ". It hardly depends on "
+            "K: the accumulator (1.0) plus one decoded upload (top-10 %: 0.1; dense fp16 decoded from "
+            f"its record: 0.5) plus a float32 row block (1,024 rows: {min(1.0, 1024 / n):.2f} at "
+            f"N = {n:,}). The K received uploads themselves sit in the baseline (the replies), K times "
+            "the per-client upload."
+        )
     client = {mode_label(r["mode"], r["fraction"]): r for r in results.get("client_payload", [])}
     if "top-10%" in client and DENSE_FP32 in client:
         top, dense = client["top-10%"], client[DENSE_FP32]
-        lines.append(f"- Client: the top-10 % payload peaks at {top['delta_in_n2_float32']:.2f} N^2 float32 "
-                     f"({top['delta_mib']:.0f} MiB) against {dense['delta_in_n2_float32']:.2f} "
-                     f"({dense['delta_mib']:.0f} MiB) for dense fp32 (which holds the matrix), "
-                     f"{dense['delta_with_record_in_n2_float32']:.2f} once its ArrayRecord copy is made; "
-                     f"top-k takes {top['seconds']:.2f} s against {dense['seconds']:.2f} s "
-                     f"({top['seconds'] / dense['seconds']:.1f}x; k = {topk_count(top['n'], top['fraction']):,} "
-                     "per row).")
+        lines.append(
+            f"- Client: the top-10 % payload peaks at {top['delta_in_n2_float32']:.2f} N^2 float32 "
+            f"({top['delta_mib']:.0f} MiB) against {dense['delta_in_n2_float32']:.2f} "
+            f"({dense['delta_mib']:.0f} MiB) for dense fp32 (which holds the matrix), "
+            f"{dense['delta_with_record_in_n2_float32']:.2f} once its ArrayRecord copy is made; "
+            f"top-k takes {top['seconds']:.2f} s against {dense['seconds']:.2f} s "
+            f"({top['seconds'] / dense['seconds']:.1f}x; k = {topk_count(top['n'], top['fraction']):,} "
+            "per row)."
+        )
     return lines + [""]
 
 
 def fmt_bytes_table(rows: list[dict[str, Any]], model: dict[str, Any]) -> list[str]:
-    lines = ["| N | mode | k per row | dtypes | raw bytes | Flower bytes | MiB | ratio to ResNet-18 weights |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | mode | k per row | dtypes | raw bytes | Flower bytes | MiB | ratio to ResNet-18 weights |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         dtypes = ", ".join(f"{k} {v}" for k, v in r["dtypes"].items())
-        lines.append(f"| {r['n']:,} | {r['format']} | {r['k_per_row']:,} | {dtypes} | {r['raw_bytes']:,} | "
-                     f"{r['flower_bytes']:,} | {r['flower_mib']:.2f} | {r['ratio_to_resnet18']:.3f} |")
-    lines.append(f"| - | FedAvg: ResNet-18 + projector weights (fp32) | - | float32 (+ int64 BN counters) | "
-                 f"{model['raw_bytes']:,} | {model['flower_bytes']:,} | {model['flower_bytes'] / MIB:.2f} | 1.000 |")
+        lines.append(
+            f"| {r['n']:,} | {r['format']} | {r['k_per_row']:,} | {dtypes} | {r['raw_bytes']:,} | "
+            f"{r['flower_bytes']:,} | {r['flower_mib']:.2f} | {r['ratio_to_resnet18']:.3f} |"
+        )
+    lines.append(
+        f"| - | FedAvg: ResNet-18 + projector weights (fp32) | - | float32 (+ int64 BN counters) | "
+        f"{model['raw_bytes']:,} | {model['flower_bytes']:,} | {model['flower_bytes'] / MIB:.2f} | 1.000 |"
+    )
     return lines
 
 
 def fmt_memory_table(rows: list[dict[str, Any]], first_col: str, first) -> list[str]:
-    lines = [f"| {first_col} | baseline RSS MiB | peak RSS MiB | peak - baseline MiB | in N^2 float32 | s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| {first_col} | baseline RSS MiB | peak RSS MiB | peak - baseline MiB | in N^2 float32 | s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {first(r)} | {r['baseline_rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
-                     f"{r['delta_mib']:.0f} | {r['delta_in_n2_float32']:.2f} | {r['seconds']:.2f} |")
+        lines.append(
+            f"| {first(r)} | {r['baseline_rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
+            f"{r['delta_mib']:.0f} | {r['delta_in_n2_float32']:.2f} | {r['seconds']:.2f} |"
+        )
     return lines
 
 
@@ -309,55 +361,116 @@ def mode_label(mode: str, fraction: float | None) -> str:
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
-    lines = [f"# FLESD upload bytes and memory ({results['date']})", "",
-             f"Machine: {results['machine']}. Command: `{results['command']}`", "",
-             f"Load average (1 min) at start {results['load_start']:.2f}, at end {results['load_end']:.2f}"
-             f" on {os.cpu_count()} cores." + (" Another job was running at the same time: times may be inflated "
-                                               "(memory figures are per process and unaffected)."
-                                               if max(results['load_start'], results['load_end']) > 1.5 else ""), "",
-             ("Representations are random 128-d unit vectors (seeded), not a trained model's: bytes depend only on "
-             "N and k, and memory and time only on N, k and K."), ""]
+    lines = [
+        f"# FLESD upload bytes and memory ({results['date']})",
+        "",
+        f"Machine: {results['machine']}. Command: `{results['command']}`",
+        "",
+        f"Load average (1 min) at start {results['load_start']:.2f}, at end {results['load_end']:.2f}"
+        f" on {os.cpu_count()} cores."
+        + (
+            " Another job was running at the same time: times may be inflated "
+            "(memory figures are per process and unaffected)."
+            if max(results["load_start"], results["load_end"]) > 1.5
+            else ""
+        ),
+        "",
+        (
+            "Representations are random 128-d unit vectors (seeded), not a trained model's: bytes depend only on "
+            "N and k, and memory and time only on N, k and K."
+        ),
+        "",
+    ]
     model = results.get("model_upload")
     if "upload_bytes" in results:
-        lines += ["## 1. Upload per client per round", "",
-                  (f"FedAvg reference: {model['model']}, {model['parameters']:,} parameters, "
-                  f"{model['arrays']} arrays (SimCLR uploads its whole state; {model['not_uploaded_arrays']} "
-                  "arrays stay local)."), "",
-                  *fmt_bytes_table(results["upload_bytes"], model), "",
-                  ("Raw bytes: the arrays' `nbytes` (`payload_bytes`). Flower bytes: "
-                  "`to_array_record(payload).count_bytes()`, the app's count (serialised .npy data with its "
-                  "header, plus key names); the ratio uses Flower bytes on both sides. Top-k keeps "
-                  "k = floor(fraction * N) + 1 entries per row (the image itself is free), values float16 and "
-                  "indices in the smallest unsigned type holding N - 1 (uint16 up to N = 65,536)."), "",
-                  ("Download: a client of the global architecture receives the distilled model each round, the "
-                  "same bytes as a FedAvg download (the ResNet-18 row above); a client of another architecture "
-                  "receives nothing but the round's config."), ""]
+        lines += [
+            "## 1. Upload per client per round",
+            "",
+            (
+                f"FedAvg reference: {model['model']}, {model['parameters']:,} parameters, "
+                f"{model['arrays']} arrays (SimCLR uploads its whole state; {model['not_uploaded_arrays']} "
+                "arrays stay local)."
+            ),
+            "",
+            *fmt_bytes_table(results["upload_bytes"], model),
+            "",
+            (
+                "Raw bytes: the arrays' `nbytes` (`payload_bytes`). Flower bytes: "
+                "`to_array_record(payload).count_bytes()`, the app's count (serialised .npy data with its "
+                "header, plus key names); the ratio uses Flower bytes on both sides. Top-k keeps "
+                "k = floor(fraction * N) + 1 entries per row (the image itself is free), values float16 and "
+                "indices in the smallest unsigned type holding N - 1 (uint16 up to N = 65,536)."
+            ),
+            "",
+            (
+                "Download: a client of the global architecture receives the distilled model each round, the "
+                "same bytes as a FedAvg download (the ResNet-18 row above); a client of another architecture "
+                "receives nothing but the round's config."
+            ),
+            "",
+        ]
     if "server_ensemble" in results:
         n = results["server_ensemble"][0]["n"]
-        lines += [f"## 2. Server: ensembling the uploads of K clients (N = {n:,})", "",
-                  ("Each case in a fresh process. Before the measurement the process holds the K received "
-                  "ArrayRecords (the replies, as the server does: they are part of the baseline); the window "
-                  "covers decoding one upload at a time through a generator and `ensemble_similarity` "
-                  f"(tau_T = {TARGET_TEMPERATURE}, paper sparsification). N^2 float32 = "
-                  f"{4 * n * n / 1e6:,.0f} MB ({4 * n * n / MIB:,.0f} MiB)."), "",
-                  *fmt_memory_table(results["server_ensemble"], "uploads",
-                                    lambda r: f"K = {r['clients']}, {mode_label(r['mode'], r['fraction'])} "
-                                              f"({r['received_uploads_mib']:.1f} MiB received)"), "",
-                  ("Expected: the float32 (N, N) accumulator (1.0 N^2 float32) plus one decoded upload plus one "
-                  "row block; independent of K."), ""]
+        lines += [
+            f"## 2. Server: ensembling the uploads of K clients (N = {n:,})",
+            "",
+            (
+                "Each case in a fresh process. Before the measurement the process holds the K received "
+                "ArrayRecords (the replies, as the server does: they are part of the baseline); the window "
+                "covers decoding one upload at a time through a generator and `ensemble_similarity` "
+                f"(tau_T = {TARGET_TEMPERATURE}, paper sparsification). N^2 float32 = "
+                f"{4 * n * n / 1e6:,.0f} MB ({4 * n * n / MIB:,.0f} MiB)."
+            ),
+            "",
+            *fmt_memory_table(
+                results["server_ensemble"],
+                "uploads",
+                lambda r: (
+                    f"K = {r['clients']}, {mode_label(r['mode'], r['fraction'])} "
+                    f"({r['received_uploads_mib']:.1f} MiB received)"
+                ),
+            ),
+            "",
+            (
+                "Expected: the float32 (N, N) accumulator (1.0 N^2 float32) plus one decoded upload plus one "
+                "row block; independent of K."
+            ),
+            "",
+        ]
     if "client_payload" in results:
         n = results["client_payload"][0]["n"]
-        lines += [f"## 3. Client: computing the upload (`client_similarity_payload`, N = {n:,})", "",
-                  *fmt_memory_table(results["client_payload"], "mode",
-                                    lambda r: f"{mode_label(r['mode'], r['fraction'])} "
-                                              f"({r['payload_mib']:.1f} MiB payload)"), "",
-                  "| mode | peak incl. `to_array_record` MiB | in N^2 float32 |", "|---|---|---|"]
-        lines += [f"| {mode_label(r['mode'], r['fraction'])} | {r['peak_with_record_mib']:.0f} | "
-                  f"{r['delta_with_record_in_n2_float32']:.2f} |" for r in results["client_payload"]]
-        lines += ["", ("The top-k path computes similarities 1,024 rows at a time and never holds the (N, N) "
-                  "matrix; the dense path holds it (float32) before encoding."), ""]
-    lines += [(f"Peak reset via /proc/self/clear_refs accepted in every case: {results.get('peak_reset_ok_all')}. "
-              f"Total run time {results['total_s']:.0f} s."), ""]
+        lines += [
+            f"## 3. Client: computing the upload (`client_similarity_payload`, N = {n:,})",
+            "",
+            *fmt_memory_table(
+                results["client_payload"],
+                "mode",
+                lambda r: f"{mode_label(r['mode'], r['fraction'])} ({r['payload_mib']:.1f} MiB payload)",
+            ),
+            "",
+            "| mode | peak incl. `to_array_record` MiB | in N^2 float32 |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {mode_label(r['mode'], r['fraction'])} | {r['peak_with_record_mib']:.0f} | "
+            f"{r['delta_with_record_in_n2_float32']:.2f} |"
+            for r in results["client_payload"]
+        ]
+        lines += [
+            "",
+            (
+                "The top-k path computes similarities 1,024 rows at a time and never holds the (N, N) "
+                "matrix; the dense path holds it (float32) before encoding."
+            ),
+            "",
+        ]
+    lines += [
+        (
+            f"Peak reset via /proc/self/clear_refs accepted in every case: {results.get('peak_reset_ok_all')}. "
+            f"Total run time {results['total_s']:.0f} s."
+        ),
+        "",
+    ]
     lines += summary_lines(results)
     path.write_text("\n".join(lines))
 
@@ -398,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     if "bytes" in only:
         print("upload bytes ...", flush=True)
         results["model_upload"] = model_upload()
-        results["upload_bytes"] = [row for n in args.n
-                                   for row in upload_bytes(n, args.dim, results["model_upload"]["flower_bytes"])]
+        results["upload_bytes"] = [
+            row for n in args.n for row in upload_bytes(n, args.dim, results["model_upload"]["flower_bytes"])
+        ]
         print(json.dumps(results["model_upload"]), flush=True)
         for row in results["upload_bytes"]:
             print(json.dumps(row), flush=True)

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = yaml.safe_load((REPO / "configs" / "smoke-flesd.yaml").read_text())
     raw.update(name="flesd-transport", rounds=1)
-    raw["data"].update(path=str(Path(args.data).resolve()), max_train=args.public_size + 2000,
-                       public_size=args.public_size)
+    raw["data"].update(
+        path=str(Path(args.data).resolve()), max_train=args.public_size + 2000, public_size=args.public_size
+    )
     raw["strategy"]["options"]["similarity"] = args.similarity
     raw["train"]["max_steps_per_epoch"] = 5
     raw["eval"].update(knn_every=0, linear_probe=False)
@@ -52,12 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         if not (tmp / "out" / "summary.json").is_file():
             raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
         rec = read_jsonl(tmp / "out" / "metrics.jsonl")[0]
-    result = {"command": f"python benchmarks/bench_flesd_transport.py --data {Path(args.data).name} --similarity "
-                         f"{args.similarity}" + (f" --public-size {args.public_size}" if args.public_size != 10_000 else ""),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "public_size": args.public_size, "similarity": args.similarity,
-              "clients": 2, "bytes_up": rec["bytes_up"], "bytes_down": rec["bytes_down"], "round_wall_s": rec["wall_s"],
-              "ensemble_s": rec["ensemble_s"], "distill_s": rec["distill_s"], "peak_rss_mib": sampler.peak / 2**20,
-              "run_s": time.perf_counter() - t0}
+    result = {
+        "command": f"python benchmarks/bench_flesd_transport.py --data {Path(args.data).name} --similarity "
+        f"{args.similarity}" + (f" --public-size {args.public_size}" if args.public_size != 10_000 else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "public_size": args.public_size,
+        "similarity": args.similarity,
+        "clients": 2,
+        "bytes_up": rec["bytes_up"],
+        "bytes_down": rec["bytes_down"],
+        "round_wall_s": rec["wall_s"],
+        "ensemble_s": rec["ensemble_s"],
+        "distill_s": rec["distill_s"],
+        "peak_rss_mib": sampler.peak / 2**20,
+        "run_s": time.perf_counter() - t0,
+    }
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(
@@ -67,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         "`flwr run` simulation on a 2-core CPU).\n\n"
         "| public images | entries per matrix | upload form | bytes up (2 clients) | round wall s | server ensemble s "
         "| distillation s | peak RSS of all run processes (MiB) |\n|---|---|---|---|---|---|---|---|\n"
-        f"| {args.public_size:,} | {args.public_size ** 2:,} | {args.similarity} | {result['bytes_up']:,} "
+        f"| {args.public_size:,} | {args.public_size**2:,} | {args.similarity} | {result['bytes_up']:,} "
         f"({result['bytes_up'] / 2**20:.1f} MiB) | {result['round_wall_s']:.1f} | {result['ensemble_s']:.1f} | "
-        f"{result['distill_s']:.1f} | {result['peak_rss_mib']:.0f} |\n")
+        f"{result['distill_s']:.1f} | {result['peak_rss_mib']:.0f} |\n"
+    )
     print(out.with_suffix(".md").read_text())
     return 0
 

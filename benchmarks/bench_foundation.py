@@ -93,11 +93,12 @@ def bench_overhead(npz: Path, steps: int, rounds: int, width: float) -> dict:
     from fedssl_study.launcher import flwr_run, read_jsonl
 
     raw = {
-        "name": "bench-overhead", "seed": 0, "rounds": rounds,
+        "name": "bench-overhead",
+        "seed": 0,
+        "rounds": rounds,
         "data": {"dataset": "cifar10", "path": str(npz), "max_train": 4000, "partition": "iid"},
         "model": {"arch": "resnet18", "width": width},
-        "method": {"name": "byol", "options": {"proj_hidden_dim": 512, "proj_out_dim": 128,
-                                               "pred_hidden_dim": 512}},
+        "method": {"name": "byol", "options": {"proj_hidden_dim": 512, "proj_out_dim": 128, "pred_hidden_dim": 512}},
         "federation": {"num_clients": 2},
         "train": {"local_epochs": 1, "batch_size": 64, "max_steps_per_epoch": steps, "lr": 0.05},
         "eval": {"knn_every": 0, "linear_probe": False, "max_train": 200, "max_test": 100},
@@ -125,13 +126,21 @@ def bench_overhead(npz: Path, steps: int, rounds: int, width: float) -> dict:
             torch.manual_seed(pid)
             backbone, dim = build_backbone("resnet18", width)
             method = build_method("byol", backbone, dim, **raw["method"]["options"])
-            train_ssl(method, client_images(cfg, pid), epochs=1, batch_size=64, lr=cfg.round_lr(rnd),
-                      weight_decay=5e-4, max_steps_per_epoch=steps, seed=rnd * 10 + pid)
+            train_ssl(
+                method,
+                client_images(cfg, pid),
+                epochs=1,
+                batch_size=64,
+                lr=cfg.round_lr(rnd),
+                weight_decay=5e-4,
+                max_steps_per_epoch=steps,
+                seed=rnd * 10 + pid,
+            )
         plain.append(time.perf_counter() - start)
     warm_walls, warm_plain = walls[1:], plain[1:]
     return {
         "config": f"BYOL, resnet18 width {width}, 2 clients x {steps} steps of batch 64 per round, fast path, "
-                  "client-resources num-cpus=2 (clients train one after the other on 2 cores)",
+        "client-resources num-cpus=2 (clients train one after the other on 2 cores)",
         "rounds": rounds,
         "round_wall_s": walls,
         "client_train_s_sum_per_round": client_train,
@@ -147,19 +156,36 @@ def bench_probe(images: np.ndarray, data, epochs: int, width: float, seeds: tupl
     fixed protocol; with several seeds, whether the fast path's mean lies within fp32's seed spread."""
     tr = subsample(data.y_train, 5000, seed=1)
     te = subsample(data.y_test, 1000, seed=2)
-    out = {"method": "simclr", "model": f"resnet18 (width {width})", "train_images": len(images),
-           "epochs": epochs, "batch": 64, "probe": "5000 train / 1000 test, 100 epochs (fixed protocol)",
-           "seeds": list(seeds), "runs": []}
+    out = {
+        "method": "simclr",
+        "model": f"resnet18 (width {width})",
+        "train_images": len(images),
+        "epochs": epochs,
+        "batch": 64,
+        "probe": "5000 train / 1000 test, 100 epochs (fixed protocol)",
+        "seeds": list(seeds),
+        "runs": [],
+    }
     for seed in seeds:
         for name, fast in (("fp32", False), ("fast", True)):
             m = simclr_r18(width, seed=seed)
-            stats = train_ssl(m, images, epochs=epochs, batch_size=64, lr=0.06, weight_decay=5e-4, fast_path=fast,
-                              seed=seed)
-            res = evaluate_backbone(m.backbone, data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te],
-                                    data.num_classes)
-            out["runs"].append({"seed": seed, "precision": name, "linear_probe_acc": res["linear_probe_acc"],
-                                "knn_acc": res["knn_acc"], "train_s": stats.seconds, "final_loss": stats.loss,
-                                "step_precision": stats.precision})
+            stats = train_ssl(
+                m, images, epochs=epochs, batch_size=64, lr=0.06, weight_decay=5e-4, fast_path=fast, seed=seed
+            )
+            res = evaluate_backbone(
+                m.backbone, data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te], data.num_classes
+            )
+            out["runs"].append(
+                {
+                    "seed": seed,
+                    "precision": name,
+                    "linear_probe_acc": res["linear_probe_acc"],
+                    "knn_acc": res["knn_acc"],
+                    "train_s": stats.seconds,
+                    "final_loss": stats.loss,
+                    "step_precision": stats.precision,
+                }
+            )
             print(json.dumps(out["runs"][-1]), flush=True)
     for name in ("fp32", "fast"):
         accs = [r["linear_probe_acc"] for r in out["runs"] if r["precision"] == name]
@@ -174,46 +200,98 @@ def bench_probe(images: np.ndarray, data, epochs: int, width: float, seeds: tupl
 
 def write_markdown(results: dict, path: Path) -> None:
     t, o, p = results.get("throughput"), results.get("overhead"), results.get("probe")
-    lines = [f"# Foundation benchmark ({results['date']})", "",
-             f"Machine: {results['machine']}. Command: `{results['command']}`", ""]
+    lines = [
+        f"# Foundation benchmark ({results['date']})",
+        "",
+        f"Machine: {results['machine']}. Command: `{results['command']}`",
+        "",
+    ]
     if t:
-        lines += ["## Local training throughput (SimCLR, CIFAR ResNet-18, batch 64, CPU)", "",
-                  "| loop | s/step | images/s | precision |", "|---|---|---|---|",
-                  f"| plain PyTorch fp32 | {t['plain_fp32_s_per_step']:.2f} | {t['plain_fp32_images_per_s']:.1f} | fp32 |",
-                  (f"| train_ssl, fast path off | {t['train_ssl_fp32_s_per_step']:.2f} | "
-                  f"{t['train_ssl_fp32_images_per_s']:.1f} | {t['train_ssl_fp32_precision']} |"),
-                  (f"| train_ssl, fast path on | {t['train_ssl_fast_s_per_step']:.2f} | "
-                  f"{t['train_ssl_fast_images_per_s']:.1f} | {t['train_ssl_fast_precision']} + channels-last |"), "",
-                  (f"Speed-up of the fast path over the plain fp32 loop: **{t['speedup_fast_vs_plain_fp32']:.2f}x** "
-                  "(goal >= 3x)."), ""]
+        lines += [
+            "## Local training throughput (SimCLR, CIFAR ResNet-18, batch 64, CPU)",
+            "",
+            "| loop | s/step | images/s | precision |",
+            "|---|---|---|---|",
+            f"| plain PyTorch fp32 | {t['plain_fp32_s_per_step']:.2f} | {t['plain_fp32_images_per_s']:.1f} | fp32 |",
+            (
+                f"| train_ssl, fast path off | {t['train_ssl_fp32_s_per_step']:.2f} | "
+                f"{t['train_ssl_fp32_images_per_s']:.1f} | {t['train_ssl_fp32_precision']} |"
+            ),
+            (
+                f"| train_ssl, fast path on | {t['train_ssl_fast_s_per_step']:.2f} | "
+                f"{t['train_ssl_fast_images_per_s']:.1f} | {t['train_ssl_fast_precision']} + channels-last |"
+            ),
+            "",
+            (
+                f"Speed-up of the fast path over the plain fp32 loop: **{t['speedup_fast_vs_plain_fp32']:.2f}x** "
+                "(goal >= 3x)."
+            ),
+            "",
+        ]
     if o:
-        lines += ["## Federation overhead (`flwr run .` simulation vs the same training in one loop)", "",
-                  f"{o['config']}; {o['rounds']} rounds.", "",
-                  "| round | simulated round wall s | same training, plain loop s |", "|---|---|---|"]
-        lines += [f"| {i + 1} | {w:.1f} | {pl:.1f} |" for i, (w, pl) in
-                  enumerate(zip(o["round_wall_s"], o["plain_loop_s_per_round"]))]
-        lines += ["", (f"Overhead ratio, warm rounds (2..{o['rounds']}): **{o['overhead_ratio_warm']:.3f}** "
-                  f"(goal <= 1.10); first round (Ray actors start, data first loaded): "
-                  f"{o['overhead_ratio_first_round']:.3f}."), ""]
+        lines += [
+            "## Federation overhead (`flwr run .` simulation vs the same training in one loop)",
+            "",
+            f"{o['config']}; {o['rounds']} rounds.",
+            "",
+            "| round | simulated round wall s | same training, plain loop s |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {i + 1} | {w:.1f} | {pl:.1f} |"
+            for i, (w, pl) in enumerate(zip(o["round_wall_s"], o["plain_loop_s_per_round"]))
+        ]
+        lines += [
+            "",
+            (
+                f"Overhead ratio, warm rounds (2..{o['rounds']}): **{o['overhead_ratio_warm']:.3f}** "
+                f"(goal <= 1.10); first round (Ray actors start, data first loaded): "
+                f"{o['overhead_ratio_first_round']:.3f}."
+            ),
+            "",
+        ]
     if p:
-        lines += ["## Fast path vs fp32: linear probe at CPU scale", "",
-                  (f"{p['method']} on {p['model']}, {p['train_images']} CIFAR-10 images, {p['epochs']} epochs of "
-                  f"batch 64; each seed trains both precisions from the same weights, batches and augmentations; "
-                  f"probe {p['probe']}."), "",
-                  "| seed | precision | train s | final loss | kNN acc | linear probe acc |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['seed']} | {r['precision']} ({r['step_precision']}) | {r['train_s']:.0f} | "
-                  f"{r['final_loss']:.4f} | {100 * r['knn_acc']:.2f}% | {100 * r['linear_probe_acc']:.2f}% |"
-                  for r in p["runs"]]
+        lines += [
+            "## Fast path vs fp32: linear probe at CPU scale",
+            "",
+            (
+                f"{p['method']} on {p['model']}, {p['train_images']} CIFAR-10 images, {p['epochs']} epochs of "
+                f"batch 64; each seed trains both precisions from the same weights, batches and augmentations; "
+                f"probe {p['probe']}."
+            ),
+            "",
+            "| seed | precision | train s | final loss | kNN acc | linear probe acc |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['seed']} | {r['precision']} ({r['step_precision']}) | {r['train_s']:.0f} | "
+            f"{r['final_loss']:.4f} | {100 * r['knn_acc']:.2f}% | {100 * r['linear_probe_acc']:.2f}% |"
+            for r in p["runs"]
+        ]
         lo, hi = p["fp32_linear_probe_range"]
-        lines += ["", (f"Linear probe, mean ± std over seeds {p['seeds']}: fp32 {100 * p['fp32_linear_probe_mean']:.2f} ± "
-                  f"{100 * p['fp32_linear_probe_std']:.2f} (range {100 * lo:.2f}-{100 * hi:.2f}), fast path "
-                  f"{100 * p['fast_linear_probe_mean']:.2f} ± {100 * p['fast_linear_probe_std']:.2f}; difference "
-                  f"**{p['linear_probe_diff_points']:+.2f} points**; the fast path's mean is "
-                  f"{'within' if p['fast_mean_within_fp32_seed_range'] else 'outside'} fp32's seed range."), ""]
-    lines += [("Data: the CIFAR-10 dev copy (JPEG-derived; dev-test split), so absolute accuracies are for relative "
-              "comparison only."), "",
-              ("Where the step's time goes, and this machine's measured bf16 / fp32 matrix-product limits next to the "
-              "step's achieved GFLOP/s: `fast_path_profile.md` (`python benchmarks/profile_fast_path.py`)."), ""]
+        lines += [
+            "",
+            (
+                f"Linear probe, mean ± std over seeds {p['seeds']}: fp32 {100 * p['fp32_linear_probe_mean']:.2f} ± "
+                f"{100 * p['fp32_linear_probe_std']:.2f} (range {100 * lo:.2f}-{100 * hi:.2f}), fast path "
+                f"{100 * p['fast_linear_probe_mean']:.2f} ± {100 * p['fast_linear_probe_std']:.2f}; difference "
+                f"**{p['linear_probe_diff_points']:+.2f} points**; the fast path's mean is "
+                f"{'within' if p['fast_mean_within_fp32_seed_range'] else 'outside'} fp32's seed range."
+            ),
+            "",
+        ]
+    lines += [
+        (
+            "Data: the CIFAR-10 dev copy (JPEG-derived; dev-test split), so absolute accuracies are for relative "
+            "comparison only."
+        ),
+        "",
+        (
+            "Where the step's time goes, and this machine's measured bf16 / fp32 matrix-product limits next to the "
+            "step's achieved GFLOP/s: `fast_path_profile.md` (`python benchmarks/profile_fast_path.py`)."
+        ),
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -232,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only or ("throughput", "overhead", "probe"))
     # Record the command without this machine's paths: the data file by name only.
     shown = ["benchmarks/bench_foundation.py"] + [Path(a).name if a == args.data else a for a in sys.argv[1:]]
-    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": "python " + " ".join(shown),
-               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-                          f"native bf16: {cpu_has_fast_bf16()}, CUDA: {torch.cuda.is_available()}, "
-                          f"torch {torch.__version__}"}
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": "python " + " ".join(shown),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"native bf16: {cpu_has_fast_bf16()}, CUDA: {torch.cuda.is_available()}, "
+        f"torch {torch.__version__}",
+    }
     q = args.quick
     if "throughput" in only:
         print("throughput ...", flush=True)
@@ -243,13 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results["throughput"], indent=1), flush=True)
     if "overhead" in only:
         print("overhead ...", flush=True)
-        results["overhead"] = bench_overhead(Path(args.data).resolve(), steps=2 if q else 24, rounds=2 if q else 4,
-                                             width=0.25 if q else 1.0)
+        results["overhead"] = bench_overhead(
+            Path(args.data).resolve(), steps=2 if q else 24, rounds=2 if q else 4, width=0.25 if q else 1.0
+        )
         print(json.dumps(results["overhead"], indent=1), flush=True)
     if "probe" in only:
         print("probe ...", flush=True)
-        results["probe"] = bench_probe(images[: 256 if q else 2560], data, epochs=1 if q else 6,
-                                       width=0.25 if q else 0.5, seeds=tuple(args.seeds))
+        results["probe"] = bench_probe(
+            images[: 256 if q else 2560], data, epochs=1 if q else 6, width=0.25 if q else 0.5, seeds=tuple(args.seeds)
+        )
         print(json.dumps(results["probe"], indent=1), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -67,8 +67,11 @@ def byol_weights(arch: str) -> dict[str, Any]:
     method = build_method("byol", backbone, dim, proj_hidden_dim=4096, proj_out_dim=2048, pred_hidden_dim=4096)
     shared, _ = split_state(method, method.shared_prefixes())
     state = state_to_numpy(shared)
-    return {"model": f"{arch} + BYOL projector {dim}->4096->2048 + predictor 2048->4096->2048",
-            "parameters": int(sum(v.size for v in state.values())), "flower_bytes": flower_bytes(state)}
+    return {
+        "model": f"{arch} + BYOL projector {dim}->4096->2048 + predictor 2048->4096->2048",
+        "parameters": int(sum(v.size for v in state.values())),
+        "flower_bytes": flower_bytes(state),
+    }
 
 
 def message_bytes(n: int) -> list[dict[str, Any]]:
@@ -78,10 +81,18 @@ def message_bytes(n: int) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         payload = encode_kernel(kernel, mode, fraction)
         seconds = time.perf_counter() - t0
-        rows.append({"n": n, "form": label, "mode": mode, "fraction": fraction,
-                     "dtypes": {k: str(v.dtype) for k, v in payload.items()},
-                     "raw_bytes": int(sum(v.nbytes for v in payload.values())), "flower_bytes": flower_bytes(payload),
-                     "encode_s": seconds})
+        rows.append(
+            {
+                "n": n,
+                "form": label,
+                "mode": mode,
+                "fraction": fraction,
+                "dtypes": {k: str(v.dtype) for k, v in payload.items()},
+                "raw_bytes": int(sum(v.nbytes for v in payload.values())),
+                "flower_bytes": flower_bytes(payload),
+                "encode_s": seconds,
+            }
+        )
         del payload
     return rows
 
@@ -93,9 +104,12 @@ def server_case(n: int, clients: int, mode: str, fraction: float | None, threads
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        strategy = HeteroSSFL(clients={pid: pid for pid in range(clients)}, clients_per_round=clients,
-                              options={"kernel_encoding": mode, **({"topk_fraction": fraction} if fraction else {})},
-                              state_dir=tmp)
+        strategy = HeteroSSFL(
+            clients={pid: pid for pid in range(clients)},
+            clients_per_round=clients,
+            options={"kernel_encoding": mode, **({"topk_fraction": fraction} if fraction else {})},
+            state_dir=tmp,
+        )
         strategy.init_kernel_store(n)
         for pid in range(clients):  # the uploads of earlier rounds, already on the server's disk
             strategy.store_kernel(pid, encode_kernel(random_kernel(n, seed=pid), mode, fraction), 1, 100)
@@ -103,8 +117,15 @@ def server_case(n: int, clients: int, mode: str, fraction: float | None, threads
         with PeakWindow() as window:
             strategy.update_kbar()
         sent = strategy.kbar_record.count_bytes()
-    return {"n": n, "clients": clients, "mode": mode, "fraction": fraction, "kernels_on_disk_mib": on_disk / MIB,
-            "kbar_record_mib": sent / MIB, **window.report(n)}
+    return {
+        "n": n,
+        "clients": clients,
+        "mode": mode,
+        "fraction": fraction,
+        "kernels_on_disk_mib": on_disk / MIB,
+        "kbar_record_mib": sent / MIB,
+        **window.report(n),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ part 3
@@ -135,70 +156,128 @@ def label(mode: str, fraction: float | None) -> str:
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     n = results["n"]
     n2 = 4 * n * n
-    lines = [f"# Hetero-SSFL bytes and memory, RAD of {n:,} images ({results['date']})", "",
-             (f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
-             f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {os.cpu_count()} cores: times are "
-             "measured under load; memory figures are per process."), "",
-             (f"Kernels are A A^T of random (N, {FEATURE_DIM}) representations (seeded): bytes depend only on N and "
-             f"the form. N^2 float32 = {n2 / 1e6:,.0f} MB ({n2 / MIB:,.1f} MiB)."), ""]
+    lines = [
+        f"# Hetero-SSFL bytes and memory, RAD of {n:,} images ({results['date']})",
+        "",
+        (
+            f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
+            f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {os.cpu_count()} cores: times are "
+            "measured under load; memory figures are per process."
+        ),
+        "",
+        (
+            f"Kernels are A A^T of random (N, {FEATURE_DIM}) representations (seeded): bytes depend only on N and "
+            f"the form. N^2 float32 = {n2 / 1e6:,.0f} MB ({n2 / MIB:,.1f} MiB)."
+        ),
+        "",
+    ]
     if "message_bytes" in results:
         models = results["fedbyol_weights"]
-        lines += ["## 1. Bytes per client and round, each way", "",
-                  ("The same form travels both ways: the client's kernel K_k up, K_bar down (round 1 has no K_bar: "
-                  "0 bytes down). Counted as the app counts them (`ArrayRecord.count_bytes()`: arrays + headers + "
-                  "key names); the raw column is the arrays' `nbytes`."), "",
-                  "| N | form | dtypes | raw bytes | app bytes | MiB | vs FedBYOL ResNet-18 | vs FedBYOL ResNet-34 |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## 1. Bytes per client and round, each way",
+            "",
+            (
+                "The same form travels both ways: the client's kernel K_k up, K_bar down (round 1 has no K_bar: "
+                "0 bytes down). Counted as the app counts them (`ArrayRecord.count_bytes()`: arrays + headers + "
+                "key names); the raw column is the arrays' `nbytes`."
+            ),
+            "",
+            "| N | form | dtypes | raw bytes | app bytes | MiB | vs FedBYOL ResNet-18 | vs FedBYOL ResNet-34 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         r18, r34 = models["resnet18"]["flower_bytes"], models["resnet34"]["flower_bytes"]
         for r in results["message_bytes"]:
             dtypes = ", ".join(f"{k} {v}" for k, v in r["dtypes"].items())
-            lines.append(f"| {r['n']:,} | {r['form']} | {dtypes} | {r['raw_bytes']:,} | {r['flower_bytes']:,} | "
-                         f"{r['flower_bytes'] / MIB:.2f} | {r['flower_bytes'] / r18:.2f}x | "
-                         f"{r['flower_bytes'] / r34:.2f}x |")
+            lines.append(
+                f"| {r['n']:,} | {r['form']} | {dtypes} | {r['raw_bytes']:,} | {r['flower_bytes']:,} | "
+                f"{r['flower_bytes'] / MIB:.2f} | {r['flower_bytes'] / r18:.2f}x | "
+                f"{r['flower_bytes'] / r34:.2f}x |"
+            )
         for m in models.values():
-            lines.append(f"| - | FedBYOL weights: {m['model']} ({m['parameters']:,} values) | float32 | - | "
-                         f"{m['flower_bytes']:,} | {m['flower_bytes'] / MIB:.2f} | - | - |")
+            lines.append(
+                f"| - | FedBYOL weights: {m['model']} ({m['parameters']:,} values) | float32 | - | "
+                f"{m['flower_bytes']:,} | {m['flower_bytes'] / MIB:.2f} | - | - |"
+            )
         dense = next(r for r in results["message_bytes"] if r["n"] == n and r["mode"] == DENSE_FP32)
-        lines += ["", (f"Per round with the paper's federations at N = {n:,}, dense fp32 (up + down, every sampled "
-                  "client; the same whatever the encoders):"), "",
-                  "| federation | clients per round | MiB per round, up + down | FedBYOL ResNet-34, MiB |", "|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                f"Per round with the paper's federations at N = {n:,}, dense fp32 (up + down, every sampled "
+                "client; the same whatever the encoders):"
+            ),
+            "",
+            "| federation | clients per round | MiB per round, up + down | FedBYOL ResNet-34, MiB |",
+            "|---|---|---|---|",
+        ]
         for total, per_round in ((5, 5), (20, 5), (100, 10)):
-            lines.append(f"| {total} clients | {per_round} | {2 * per_round * dense['flower_bytes'] / MIB:,.0f} | "
-                         f"{2 * per_round * r34 / MIB:,.0f} |")
+            lines.append(
+                f"| {total} clients | {per_round} | {2 * per_round * dense['flower_bytes'] / MIB:,.0f} | "
+                f"{2 * per_round * r34 / MIB:,.0f} |"
+            )
         lines.append("")
     if "server" in results:
-        lines += [f"## 2. Server: K_bar from the kernels of K clients on disk (N = {n:,})", "",
-                  ("Each case in a fresh process; the window covers `HeteroSSFL.update_kbar`: stream each client's "
-                  "latest kernel from its file, add it into a float32 (N, N) accumulator row block by row block, "
-                  "then encode K_bar and build the ArrayRecord that is sent. The kernels themselves stay on disk."), "",
-                  ("| clients K | form | kernels on disk MiB | K_bar record MiB | baseline RSS MiB | peak RSS MiB | "
-                  "peak - baseline MiB | in N^2 float32 | s (under load) |"), "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## 2. Server: K_bar from the kernels of K clients on disk (N = {n:,})",
+            "",
+            (
+                "Each case in a fresh process; the window covers `HeteroSSFL.update_kbar`: stream each client's "
+                "latest kernel from its file, add it into a float32 (N, N) accumulator row block by row block, "
+                "then encode K_bar and build the ArrayRecord that is sent. The kernels themselves stay on disk."
+            ),
+            "",
+            (
+                "| clients K | form | kernels on disk MiB | K_bar record MiB | baseline RSS MiB | peak RSS MiB | "
+                "peak - baseline MiB | in N^2 float32 | s (under load) |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in results["server"]:
-            lines.append(f"| {r['clients']} | {label(r['mode'], r['fraction'])} | {r['kernels_on_disk_mib']:,.0f} | "
-                         f"{r['kbar_record_mib']:.1f} | {r['baseline_rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
-                         f"{r['delta_mib']:.0f} | {r['delta_in_n2_float32']:.2f} | {r['seconds']:.1f} |")
+            lines.append(
+                f"| {r['clients']} | {label(r['mode'], r['fraction'])} | {r['kernels_on_disk_mib']:,.0f} | "
+                f"{r['kbar_record_mib']:.1f} | {r['baseline_rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
+                f"{r['delta_mib']:.0f} | {r['delta_in_n2_float32']:.2f} | {r['seconds']:.1f} |"
+            )
         by_mode: dict[str, list[float]] = {}
         for r in results["server"]:
             by_mode.setdefault(label(r["mode"], r["fraction"]), []).append(r["delta_in_n2_float32"])
-        lines += ["", "Growth over the baseline, by form: " + "; ".join(
-            f"{m}: {min(v):.2f} to {max(v):.2f} N^2 float32 for K = "
-            f"{', '.join(str(r['clients']) for r in results['server'] if label(r['mode'], r['fraction']) == m)}"
-            for m, v in by_mode.items()) + ". Flat in K: the accumulator (1.0), one client's kernel as read "
-            "from disk (fp32 1.0, fp16 0.5, top-n% small), the encoded K_bar and its serialised record.", ""]
+        lines += [
+            "",
+            "Growth over the baseline, by form: "
+            + "; ".join(
+                f"{m}: {min(v):.2f} to {max(v):.2f} N^2 float32 for K = "
+                f"{', '.join(str(r['clients']) for r in results['server'] if label(r['mode'], r['fraction']) == m)}"
+                for m, v in by_mode.items()
+            )
+            + ". Flat in K: the accumulator (1.0), one client's kernel as read "
+            "from disk (fp32 1.0, fp16 0.5, top-n% small), the encoded K_bar and its serialised record.",
+            "",
+        ]
     if "client" in results:
-        lines += ["## 3. Client: the alignment term's N x N part", "",
-                  (f"A ({n:,}, {FEATURE_DIM}) float32; the window covers 0.5 (1 - CKA(A A^T, K_bar)) and dL/dA. The "
-                  "received K_bar (1.0 N^2 float32) and, for the feature form, H K_bar H (1.0, centred once per "
-                  "round) are in the baseline. With `refresh: epoch` this runs once per local epoch; the network's "
-                  "backward then runs chunk by chunk of `rad_forward_batch` RAD images."), "",
-                  "| form | peak - baseline MiB | in N^2 float32 | s (under load) |", "|---|---|---|---|"]
+        lines += [
+            "## 3. Client: the alignment term's N x N part",
+            "",
+            (
+                f"A ({n:,}, {FEATURE_DIM}) float32; the window covers 0.5 (1 - CKA(A A^T, K_bar)) and dL/dA. The "
+                "received K_bar (1.0 N^2 float32) and, for the feature form, H K_bar H (1.0, centred once per "
+                "round) are in the baseline. With `refresh: epoch` this runs once per local epoch; the network's "
+                "backward then runs chunk by chunk of `rad_forward_batch` RAD images."
+            ),
+            "",
+            "| form | peak - baseline MiB | in N^2 float32 | s (under load) |",
+            "|---|---|---|---|",
+        ]
         for c in results["client"]:
-            what = ("feature form (linear kernel, what clients run)" if c["form"] == "feature"
-                    else "Gram form on A A^T (the RBF-kernel path)")
+            what = (
+                "feature form (linear kernel, what clients run)"
+                if c["form"] == "feature"
+                else "Gram form on A A^T (the RBF-kernel path)"
+            )
             lines.append(f"| {what} | {c['delta_mib']:.0f} | {c['delta_in_n2_float32']:.2f} | {c['seconds']:.1f} |")
         lines.append("")
-    lines.append(f"Total run time {results['total_s']:.0f} s. Peak reset accepted in every case: "
-                 f"{results.get('peak_reset_ok_all')}.")
+    lines.append(
+        f"Total run time {results['total_s']:.0f} s. Peak reset accepted in every case: "
+        f"{results.get('peak_reset_ok_all')}."
+    )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -213,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         args.n, args.clients = 500, [2, 3]
     threads = torch.get_num_threads()
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "n": args.n,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "n": args.n,
         "command": shown_command(sys.argv[1:] if argv is None else argv).replace("bench_flesd", "bench_heterossfl"),
         "machine": f"{platform.machine()}, {threads} torch threads, torch {torch.__version__}",
         "load_start": os.getloadavg()[0],

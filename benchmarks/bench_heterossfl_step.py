@@ -41,29 +41,44 @@ from ssl_models.training import fast_path_for, train_ssl
 
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = REPO / "configs" / "heterossfl" / "cpu-compare.yaml"
-CASES = (("no term (local SSL)", None, None), ("step, fp32", "step", "fp32"), ("step, train", "step", "train"),
-         ("minibatch 128, fp32", "minibatch", "fp32"), ("minibatch 128, train", "minibatch", "train"))
+CASES = (
+    ("no term (local SSL)", None, None),
+    ("step, fp32", "step", "fp32"),
+    ("step, train", "step", "train"),
+    ("minibatch 128, fp32", "minibatch", "fp32"),
+    ("minibatch 128, train", "minibatch", "train"),
+)
 
 
-def aligner_for(cfg: ExperimentConfig, rad: np.ndarray, target: torch.Tensor, refresh: str, precision: str,
-                mu: float) -> KernelAligner:
+def aligner_for(
+    cfg: ExperimentConfig, rad: np.ndarray, target: torch.Tensor, refresh: str, precision: str, mu: float
+) -> KernelAligner:
     fp = fast_path_for(torch.device("cpu"), cfg.train.fast_path)
     bf16 = precision == "train" and fp.autocast_dtype == torch.bfloat16
     opts = cfg.strategy.options
-    return KernelAligner(rad, target, mu=mu, refresh=refresh, rad_batch_size=128,
-                         forward_batch_size=int(opts.get("rad_forward_batch", 512)), bn_mode="train",
-                         forward_dtype=torch.bfloat16 if bf16 else None,
-                         channels_last=fp.channels_last if precision == "train" else False)
+    return KernelAligner(
+        rad,
+        target,
+        mu=mu,
+        refresh=refresh,
+        rad_batch_size=128,
+        forward_batch_size=int(opts.get("rad_forward_batch", 512)),
+        bn_mode="train",
+        forward_dtype=torch.bfloat16 if bf16 else None,
+        channels_last=fp.channels_last if precision == "train" else False,
+    )
 
 
 def target_kernel(cfg: ExperimentConfig, rad: np.ndarray, arch: str) -> torch.Tensor:
     other = "resnet34" if arch == "resnet18" else "resnet18"
-    return client_kernel(rad_representations(build_ssl_model(cfg, seed=1, arch=other), rad, "predictor",
-                                              batch_size=512, bn_mode="train"))
+    return client_kernel(
+        rad_representations(build_ssl_model(cfg, seed=1, arch=other), rad, "predictor", batch_size=512, bn_mode="train")
+    )
 
 
-def step_seconds(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch: str, steps: int,
-                 repeats: int) -> list[dict[str, Any]]:
+def step_seconds(
+    cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch: str, steps: int, repeats: int
+) -> list[dict[str, Any]]:
     target = target_kernel(cfg, rad, arch)
     out = []
     for label, refresh, precision in CASES:
@@ -72,15 +87,31 @@ def step_seconds(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arc
         windows = []
         for window in range(repeats + 1):  # the first window warms up (allocator, kernels)
             start = time.perf_counter()
-            stats = train_ssl(model, images, epochs=1, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
-                              optimizer=cfg.train.optimizer, weight_decay=cfg.train.weight_decay,
-                              fast_path=cfg.train.fast_path, max_steps_per_epoch=steps, seed=window,
-                              augment=build_augment(cfg, int(images.shape[1])),
-                              loss_hook=aligner.loss if aligner else None)
+            stats = train_ssl(
+                model,
+                images,
+                epochs=1,
+                batch_size=cfg.train.batch_size,
+                lr=cfg.train.lr,
+                optimizer=cfg.train.optimizer,
+                weight_decay=cfg.train.weight_decay,
+                fast_path=cfg.train.fast_path,
+                max_steps_per_epoch=steps,
+                seed=window,
+                augment=build_augment(cfg, int(images.shape[1])),
+                loss_hook=aligner.loss if aligner else None,
+            )
             if window:
                 windows.append((time.perf_counter() - start) / stats.steps)
-        out.append({"arch": arch, "case": label, "s_per_step": statistics.median(windows),
-                    "s_per_step_windows": windows, "precision": stats.precision})
+        out.append(
+            {
+                "arch": arch,
+                "case": label,
+                "s_per_step": statistics.median(windows),
+                "s_per_step_windows": windows,
+                "precision": stats.precision,
+            }
+        )
         print(f"{arch:9s} {label:22s} {statistics.median(windows):.3f} s/step", flush=True)
     return out
 
@@ -107,8 +138,9 @@ def term_error(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch:
     minibatch = aligner_for(cfg, rad, target, "minibatch", "fp32", 0.5)
     minibatch_grad = flat_grad(model, lambda: minibatch.loss(model))
     gen = torch.Generator().manual_seed(0)
-    v1, v2 = build_augment(cfg, int(images.shape[1])).two_views(torch.as_tensor(images[:cfg.train.batch_size]),
-                                                                generator=gen)
+    v1, v2 = build_augment(cfg, int(images.shape[1])).two_views(
+        torch.as_tensor(images[: cfg.train.batch_size]), generator=gen
+    )
     v1, v2 = (v.contiguous(memory_format=torch.channels_last) for v in (v1, v2))
 
     def ssl_loss(dtype):
@@ -121,34 +153,59 @@ def term_error(cfg: ExperimentConfig, images: np.ndarray, rad: np.ndarray, arch:
         return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
     (v32, g32), (v16, g16) = terms["fp32"], terms["train"]
-    return {"arch": arch, "term_fp32": v32, "term_bf16": v16, "term_rel_diff": abs(v16 - v32) / abs(v32),
-            "cos_term_bf16_vs_fp32": cos(g16, g32), "cos_ssl_bf16_vs_fp32": cos(ssl16, ssl32),
-            "cos_term_minibatch128_vs_full": cos(minibatch_grad, g32),
-            "grad_norm_term": float(g32.norm()), "grad_norm_ssl": float(ssl32.norm())}
+    return {
+        "arch": arch,
+        "term_fp32": v32,
+        "term_bf16": v16,
+        "term_rel_diff": abs(v16 - v32) / abs(v32),
+        "cos_term_bf16_vs_fp32": cos(g16, g32),
+        "cos_ssl_bf16_vs_fp32": cos(ssl16, ssl32),
+        "cos_term_minibatch128_vs_full": cos(minibatch_grad, g32),
+        "grad_norm_term": float(g32.norm()),
+        "grad_norm_ssl": float(ssl32.norm()),
+    }
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
-    lines = [f"# Hetero-SSFL local step: RAD-forward precision ({results['date']})", "",
-             (f"Command: `{results['command']}`. Machine: {results['machine']}; torch {results['torch']}, "
-             f"{results['threads']} intra-op thread(s). Config: `configs/heterossfl/cpu-compare.yaml` (quarter-width "
-             "encoders, SimCLR, batch 64, 500-image RAD, BatchNorm batch statistics on the RAD, mu 0.5). "
-             f"Median over {results['repeats']} windows of {results['steps']} steps after a warm-up window."), "",
-             "| encoder | local step | s / step | x no term |", "|---|---|---|---|"]
+    lines = [
+        f"# Hetero-SSFL local step: RAD-forward precision ({results['date']})",
+        "",
+        (
+            f"Command: `{results['command']}`. Machine: {results['machine']}; torch {results['torch']}, "
+            f"{results['threads']} intra-op thread(s). Config: `configs/heterossfl/cpu-compare.yaml` (quarter-width "
+            "encoders, SimCLR, batch 64, 500-image RAD, BatchNorm batch statistics on the RAD, mu 0.5). "
+            f"Median over {results['repeats']} windows of {results['steps']} steps after a warm-up window."
+        ),
+        "",
+        "| encoder | local step | s / step | x no term |",
+        "|---|---|---|---|",
+    ]
     base = {r["arch"]: r["s_per_step"] for r in results["steps_timed"] if r["case"].startswith("no term")}
     for r in results["steps_timed"]:
         lines.append(f"| {r['arch']} | {r['case']} | {r['s_per_step']:.3f} | {r['s_per_step'] / base[r['arch']]:.2f} |")
-    lines += ["", ("The alignment term at the initial weights, RAD forward in bf16 (`rad_precision: train`) against "
-              "float32, next to the SSL loss's own bf16-vs-fp32 gradient error and the 128-image minibatch term's "
-              "gap to the full one (cosine similarity of the flattened gradients; 1 = same direction):"), "",
-              ("| encoder | term fp32 | term bf16 | relative difference | cos(term bf16, fp32) | cos(SSL loss bf16, fp32) "
-              "| cos(minibatch-128 term, full) |"), "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        (
+            "The alignment term at the initial weights, RAD forward in bf16 (`rad_precision: train`) against "
+            "float32, next to the SSL loss's own bf16-vs-fp32 gradient error and the 128-image minibatch term's "
+            "gap to the full one (cosine similarity of the flattened gradients; 1 = same direction):"
+        ),
+        "",
+        (
+            "| encoder | term fp32 | term bf16 | relative difference | cos(term bf16, fp32) | cos(SSL loss bf16, fp32) "
+            "| cos(minibatch-128 term, full) |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for e in results["term_error"]:
         if "note" in e:
             lines.append(f"| {e['arch']} | {e['note']} | | | | | |")
             continue
-        lines.append(f"| {e['arch']} | {e['term_fp32']:.5f} | {e['term_bf16']:.5f} | {e['term_rel_diff']:.2e} | "
-                     f"{e['cos_term_bf16_vs_fp32']:.3f} | {e['cos_ssl_bf16_vs_fp32']:.3f} | "
-                     f"{e['cos_term_minibatch128_vs_full']:.3f} |")
+        lines.append(
+            f"| {e['arch']} | {e['term_fp32']:.5f} | {e['term_bf16']:.5f} | {e['term_rel_diff']:.2e} | "
+            f"{e['cos_term_bf16_vs_fp32']:.3f} | {e['cos_ssl_bf16_vs_fp32']:.3f} | "
+            f"{e['cos_term_minibatch128_vs_full']:.3f} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -178,14 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cfg = ExperimentConfig.from_dict(load_config_tree(CONFIG))
     x = np.load(args.data)["x_train"]
-    images, rad = x[:1000], x[1000:1000 + 500]  # a client's 1 000 images, a 500-image RAD, as the config's scale
+    images, rad = x[:1000], x[1000 : 1000 + 500]  # a client's 1 000 images, a 500-image RAD, as the config's scale
     archs = ["resnet18"] if args.quick else ["resnet18", "resnet34"]
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "command": shown_command(argv), "threads": args.threads,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-        "steps": args.steps, "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": shown_command(argv),
+        "threads": args.threads,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "repeats": args.repeats,
         "steps_timed": [r for arch in archs for r in step_seconds(cfg, images, rad, arch, args.steps, args.repeats)],
-        "term_error": [term_error(cfg, images, rad, arch) for arch in archs]}
+        "term_error": [term_error(cfg, images, rad, arch) for arch in archs],
+    }
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     write_markdown(results, out.with_suffix(".md"))

@@ -74,11 +74,20 @@ RESULTS = REPO / "benchmarks" / "results"
 MIB = 2**20
 GB = 1e9
 VARIANTS: tuple[str, ...] = ("fedmocov3", "lwfedssl", "fedmoco_lw", "prog_fedssl", "fll_dd")
-CONFIGS = {"fedmocov3": "configs/lwfedssl/fedmocov3.yaml", "lwfedssl": "configs/lwfedssl/lwfedssl.yaml",
-           "fedmoco_lw": "configs/lwfedssl/fedmoco-lw.yaml", "prog_fedssl": "configs/lwfedssl/prog-fedssl.yaml",
-           "fll_dd": "configs/lwfedssl/fll-dd.yaml"}
-LABELS = {"fedmocov3": "FedMoCoV3", "lwfedssl": "LW-FedSSL", "fedmoco_lw": "FedMoCo-LW", "prog_fedssl": "Prog-FedSSL",
-          "fll_dd": "FLL+DD"}
+CONFIGS = {
+    "fedmocov3": "configs/lwfedssl/fedmocov3.yaml",
+    "lwfedssl": "configs/lwfedssl/lwfedssl.yaml",
+    "fedmoco_lw": "configs/lwfedssl/fedmoco-lw.yaml",
+    "prog_fedssl": "configs/lwfedssl/prog-fedssl.yaml",
+    "fll_dd": "configs/lwfedssl/fll-dd.yaml",
+}
+LABELS = {
+    "fedmocov3": "FedMoCoV3",
+    "lwfedssl": "LW-FedSSL",
+    "fedmoco_lw": "FedMoCo-LW",
+    "prog_fedssl": "Prog-FedSSL",
+    "fll_dd": "FLL+DD",
+}
 BYTE_FIELDS = ("bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads")
 SIM_ROUNDS_PER_STAGE = 3
 # The pinned (calibration) version's claims, FedMoCoV3 / X, and v4's Table 2 (batch 512, no calibration;
@@ -92,8 +101,13 @@ V4_TABLE2 = {"fedmocov3": (8.72, 586.0, 8.40), "lwfedssl": (2.61, 139.0, 1.66), 
 
 def experiment(variant: str, **overrides: Any):
     """The paper config of ``variant`` (synthetic data: nothing here looks at pixels)."""
-    run_config = {"config": CONFIGS[variant], "data.dataset": "synthetic", "data.synthetic_train": 40,
-                  "data.synthetic_test": 10, **overrides}
+    run_config = {
+        "config": CONFIGS[variant],
+        "data.dataset": "synthetic",
+        "data.synthetic_train": 40,
+        "data.synthetic_test": 10,
+        **overrides,
+    }
     return load_experiment(run_config)[0]
 
 
@@ -109,20 +123,25 @@ def client_step(cfg, variant: str, stage: int, batch: int) -> dict[str, float]:
     reset_target_from_online(method)
     configure_local_model(method, trainable_mode(variant), float(o.get("depth_dropout", 0.0)), dropout_seed=cfg.seed)
     alpha = float(o.get("alpha", 0.0))
-    aligner = (RepresentationAligner(method.backbone, alpha, float(o.get("align_temperature", 0.2)))
-               if alpha > 0 else None)
+    aligner = (
+        RepresentationAligner(method.backbone, alpha, float(o.get("align_temperature", 0.2))) if alpha > 0 else None
+    )
     t = cfg.train
     t0 = time.perf_counter()
-    figures = resource_account(method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum,
-                               device="cpu", aligner=aligner)
+    figures = resource_account(
+        method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum, device="cpu", aligner=aligner
+    )
     # fvcore's convention: forward only, attention matmuls dropped (its tracing skips scaled_dot_product_attention);
     # like resource_account, a step that skips no block (FLL+DD's rate is restored after)
     rate = float(method.backbone.depth_dropout)
     method.backbone.set_depth_dropout(0.0)
     plain = training_step_flops(method, IMAGE_SHAPE, batch_size=2, count_cpu_attention=False)
     method.backbone.set_depth_dropout(rate)
-    align_plain = (forward_flops(aligner.global_backbone, IMAGE_SHAPE, 2, count_cpu_attention=False)
-                   if aligner is not None else 0.0)
+    align_plain = (
+        forward_flops(aligner.global_backbone, IMAGE_SHAPE, 2, count_cpu_attention=False)
+        if aligner is not None
+        else 0.0
+    )
     figures["flops_fvcore_no_attention"] = (plain["forward"] + align_plain) / 2.0
     figures["seconds"] = time.perf_counter() - t0
     figures["stage"] = stage
@@ -135,8 +154,11 @@ def worker_pool(fresh_per_task: bool) -> ProcessPoolExecutor:
     output and its grad_fn hold each other in a cycle Python's garbage collector cannot see. So the figures are
     taken in worker processes: one for all stages of a last_block variant (one block's activations left per
     step), a fresh one per figure where everything trains. The figures are the same either way."""
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               max_tasks_per_child=1 if fresh_per_task else None)
+    return ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        max_tasks_per_child=1 if fresh_per_task else None,
+    )
 
 
 def _step_task(variant: str, stage: int, batch: int, threads: int) -> dict[str, float]:
@@ -154,8 +176,10 @@ def compute_part(variant: str, batch: int, stages: int, log) -> list[dict[str, f
         rows = []
         for s in range(1, stages + 1):
             rows.append(pool.submit(_step_task, variant, s, batch, threads).result())
-            log(f"  {variant} stage {s}: {rows[-1]['flops_total'] / 1e9:.3f} GFLOP, "
-                f"{rows[-1]['mem_total'] / MIB:.0f} MiB, {rows[-1]['seconds']:.1f} s")
+            log(
+                f"  {variant} stage {s}: {rows[-1]['flops_total'] / 1e9:.3f} GFLOP, "
+                f"{rows[-1]['mem_total'] / MIB:.0f} MiB, {rows[-1]['seconds']:.1f} s"
+            )
     return rows
 
 
@@ -166,8 +190,14 @@ def activation_linearity(batch: int) -> dict[str, float]:
     with worker_pool(True) as pool:
         a = pool.submit(_step_task, "fedmocov3", 12, half, threads).result()["mem_activations"]
         b = pool.submit(_step_task, "fedmocov3", 12, batch, threads).result()["mem_activations"]
-    return {"batch_small": half, "batch": batch, "activations_small": a, "activations": b, "ratio": b / a,
-            "expected_ratio": batch / half}
+    return {
+        "batch_small": half,
+        "batch": batch,
+        "activations_small": a,
+        "activations": b,
+        "ratio": b / a,
+        "expected_ratio": batch / half,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ part 2
@@ -189,8 +219,14 @@ def reply_to(message: Message, upload: dict[str, np.ndarray], pid: int) -> Messa
 def make_strategy(cfg, clients: int):
     data = load_experiment_data(cfg)
     cls = get_strategy_class(cfg.strategy.name)
-    strategy = cls(clients={pid: 100 + pid for pid in range(clients)}, clients_per_round=clients, seed=cfg.seed,
-                   node_wait_s=0.0, round_config=lambda r: {"lr": cfg.round_lr(r)}, options=cfg.strategy.options)
+    strategy = cls(
+        clients={pid: 100 + pid for pid in range(clients)},
+        clients_per_round=clients,
+        seed=cfg.seed,
+        node_wait_s=0.0,
+        round_config=lambda r: {"lr": cfg.round_lr(r)},
+        options=cfg.strategy.options,
+    )
     strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
     initial = build_ssl_model(cfg, seed=cfg.seed)  # what the ServerApp builds
     arrays = to_array_record(state_to_numpy(split_state(initial, strategy.exchange_prefixes(initial))[0]))
@@ -200,8 +236,11 @@ def make_strategy(cfg, clients: int):
 def simulate_layerwise(variant: str, clients: int, stages: int, log) -> list[dict[str, Any]]:
     """Every simulated round's per-client bytes, as the strategy records them (all clients equal: checked)."""
     rounds = SIM_ROUNDS_PER_STAGE * stages
-    cfg = experiment(variant, rounds=rounds, **{"federation.num_clients": clients, "train.batch_size": 4,
-                                                "train.max_steps_per_epoch": 1})
+    cfg = experiment(
+        variant,
+        rounds=rounds,
+        **{"federation.num_clients": clients, "train.batch_size": 4, "train.max_steps_per_epoch": 1},
+    )
     strategy, arrays = make_strategy(cfg, clients)
     nodes = [100 + pid for pid in range(clients)]
     out = []
@@ -209,21 +248,25 @@ def simulate_layerwise(variant: str, clients: int, stages: int, log) -> list[dic
         messages = list(strategy.configure_train(r, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid(nodes)))
         replies = []
         for m in messages:  # a client uploads exactly the round's trained entries
-            upload = OrderedDict((k, strategy.global_state[k])
-                                 for k in strategy.trained_keys(int(m.content["config"]["lw-stage"])))
+            upload = OrderedDict(
+                (k, strategy.global_state[k]) for k in strategy.trained_keys(int(m.content["config"]["lw-stage"]))
+            )
             replies.append(reply_to(m, upload, m.metadata.dst_node_id - 100))
         new, _ = strategy.aggregate_train(r, replies)
         arrays = new if new is not None else arrays
         record = strategy.round_records[r]
-        per_client = [{k: int(c[k]) for k in BYTE_FIELDS} | {"blocks_down": list(c["blocks_down"])}
-                      for c in sorted(record["clients"], key=lambda c: c["id"])]
+        per_client = [
+            {k: int(c[k]) for k in BYTE_FIELDS} | {"blocks_down": list(c["blocks_down"])}
+            for c in sorted(record["clients"], key=lambda c: c["id"])
+        ]
         if any(p != per_client[0] for p in per_client) or len(per_client) != clients:
             raise RuntimeError(f"{variant} round {r}: clients' bytes differ: {per_client}")
-        out.append({"round": r, "stage": int(record["stage"]), "calibrated": "calibration" in record,
-                    **per_client[0]})
+        out.append({"round": r, "stage": int(record["stage"]), "calibrated": "calibration" in record, **per_client[0]})
         if r % SIM_ROUNDS_PER_STAGE == 0:
-            log(f"  {variant} round {r}/{rounds} (stage {record['stage']}): down "
-                f"{(out[-1]['bytes_down_encoder'] + out[-1]['bytes_down_heads']) / MIB:.1f} MiB")
+            log(
+                f"  {variant} round {r}/{rounds} (stage {record['stage']}): down "
+                f"{(out[-1]['bytes_down_encoder'] + out[-1]['bytes_down_heads']) / MIB:.1f} MiB"
+            )
     return out
 
 
@@ -235,20 +278,27 @@ def simulate_fedmocov3(clients: int) -> list[dict[str, Any]]:
     out = []
     for r in (1, 2):
         messages = list(strategy.configure_train(r, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid(nodes)))
-        replies = [reply_to(m, from_array_record(m.content["arrays"]), m.metadata.dst_node_id - 100)
-                   for m in messages]
+        replies = [reply_to(m, from_array_record(m.content["arrays"]), m.metadata.dst_node_id - 100) for m in messages]
         rows = []
         for m, reply in zip(messages, replies):
             down_enc, down_heads = entry_bytes(m.content["arrays"])
             up_enc, up_heads = entry_bytes(reply.content["arrays"])
-            rows.append({"bytes_down_encoder": down_enc, "bytes_down_heads": down_heads,
-                         "bytes_up_encoder": up_enc, "bytes_up_heads": up_heads, "blocks_down": list(range(1, 13))})
+            rows.append(
+                {
+                    "bytes_down_encoder": down_enc,
+                    "bytes_down_heads": down_heads,
+                    "bytes_up_encoder": up_enc,
+                    "bytes_up_heads": up_heads,
+                    "blocks_down": list(range(1, 13)),
+                }
+            )
         new, _ = strategy.aggregate_train(r, replies)
         arrays = new if new is not None else arrays
         record = strategy.round_records[r]
         # the strategy's own totals agree with the per-entry split
-        if record["bytes_down"] != sum(x["bytes_down_encoder"] + x["bytes_down_heads"] for x in rows) or \
-                record["bytes_up"] != sum(x["bytes_up_encoder"] + x["bytes_up_heads"] for x in rows):
+        if record["bytes_down"] != sum(x["bytes_down_encoder"] + x["bytes_down_heads"] for x in rows) or record[
+            "bytes_up"
+        ] != sum(x["bytes_up_encoder"] + x["bytes_up_heads"] for x in rows):
             raise RuntimeError(f"fedmocov3 round {r}: the record's bytes differ from the messages'")
         if any(x != rows[0] for x in rows):
             raise RuntimeError(f"fedmocov3 round {r}: clients' bytes differ")
@@ -265,9 +315,18 @@ def run_totals(sim: list[dict[str, Any]], variant: str, schedule: list[int]) -> 
     if variant == "fedmocov3":
         for k in BYTE_FIELDS:
             totals[k] = sim[0][k] * sum(schedule)
-        return {"totals": totals, "per_stage": [{"stage": s + 1, "first": {k: sim[0][k] for k in BYTE_FIELDS},
-                                                  "later": {k: sim[0][k] for k in BYTE_FIELDS}, "rounds": n}
-                                                 for s, n in enumerate(schedule)]}
+        return {
+            "totals": totals,
+            "per_stage": [
+                {
+                    "stage": s + 1,
+                    "first": {k: sim[0][k] for k in BYTE_FIELDS},
+                    "later": {k: sim[0][k] for k in BYTE_FIELDS},
+                    "rounds": n,
+                }
+                for s, n in enumerate(schedule)
+            ],
+        }
     for s, n in enumerate(schedule, start=1):
         rows = [x for x in sim if x["stage"] == s]
         first, later = rows[0], rows[1]
@@ -276,9 +335,16 @@ def run_totals(sim: list[dict[str, Any]], variant: str, schedule: list[int]) -> 
                 raise RuntimeError(f"{variant} stage {s}: later rounds send different bytes")
         for k in BYTE_FIELDS:
             totals[k] += first[k] + (n - 1) * later[k]
-        per_stage.append({"stage": s, "rounds": n, "first": {k: first[k] for k in BYTE_FIELDS},
-                          "later": {k: later[k] for k in BYTE_FIELDS}, "blocks_down_first": first["blocks_down"],
-                          "blocks_down_later": later["blocks_down"]})
+        per_stage.append(
+            {
+                "stage": s,
+                "rounds": n,
+                "first": {k: first[k] for k in BYTE_FIELDS},
+                "later": {k: later[k] for k in BYTE_FIELDS},
+                "blocks_down_first": first["blocks_down"],
+                "blocks_down_later": later["blocks_down"],
+            }
+        )
     return {"totals": totals, "per_stage": per_stage}
 
 
@@ -287,15 +353,31 @@ def weighted_mean(values: list[float], weights: list[int]) -> float:
     return float(sum(v * w for v, w in zip(values, weights)) / sum(weights))
 
 
-def summarise(compute: dict[str, list[dict[str, float]]], comm: dict[str, dict[str, Any]], schedule: list[int],
-              batch: int, paper_batches: tuple[int, ...]) -> dict[str, dict[str, float]]:
+def summarise(
+    compute: dict[str, list[dict[str, float]]],
+    comm: dict[str, dict[str, Any]],
+    schedule: list[int],
+    batch: int,
+    paper_batches: tuple[int, ...],
+) -> dict[str, dict[str, float]]:
     out = {}
     for v in VARIANTS:
         rows = compute[v]
         s: dict[str, float] = {}
-        for key in ("flops_total", "flops_forward", "flops_backward", "flops_fvcore_equivalent",
-                    "flops_fvcore_no_attention", "flops_expected", "flops_align_forward", "mem_total",
-                    "mem_activations", "mem_parameters", "mem_gradients", "mem_optimizer_state"):
+        for key in (
+            "flops_total",
+            "flops_forward",
+            "flops_backward",
+            "flops_fvcore_equivalent",
+            "flops_fvcore_no_attention",
+            "flops_expected",
+            "flops_align_forward",
+            "mem_total",
+            "mem_activations",
+            "mem_parameters",
+            "mem_gradients",
+            "mem_optimizer_state",
+        ):
             values = [float(r[key]) for r in rows]
             s[f"{key}_max"] = max(values)
             s[f"{key}_mean"] = weighted_mean(values, schedule)
@@ -318,8 +400,13 @@ def summarise(compute: dict[str, list[dict[str, float]]], comm: dict[str, dict[s
     return out
 
 
-HEADLINE = {"mem_total_max": "memory", "flops_total_mean": "flops", "total_encoder": "comm", "down_encoder": "down",
-            "up_encoder": "up"}
+HEADLINE = {
+    "mem_total_max": "memory",
+    "flops_total_mean": "flops",
+    "total_encoder": "comm",
+    "down_encoder": "down",
+    "up_encoder": "up",
+}
 
 
 def measures(paper_batches: tuple[int, ...]) -> list[tuple[str, str]]:
@@ -376,8 +463,10 @@ def explanations(results: dict[str, Any]) -> list[str]:
             if abs(dev) <= 0.15:
                 continue
             x = s[v]
-            label = (f"**{LABELS[v]}, {row['what']}: {row['ratio'][v]:.2f}x** against the paper's "
-                     f"{row['paper'][v]}x ({dev:+.0%})")
+            label = (
+                f"**{LABELS[v]}, {row['what']}: {row['ratio'][v]:.2f}x** against the paper's "
+                f"{row['paper'][v]}x ({dev:+.0%})"
+            )
             if key == "mem_total_max":
                 at = {b: e2e[f"mem_total_max_at_{b}"] / x[f"mem_total_max_at_{b}"] for b in (512, 1024)}
                 fixed = x["mem_total_max"] * (1.0 - x["mem_peak_activation_share"])
@@ -397,7 +486,8 @@ def explanations(results: dict[str, Any]) -> list[str]:
                     f"allocator caching and rounding, transient buffers of the backward) to both sides and so "
                     f"compresses the ratio: v4's Table 2 puts LW-FedSSL at 2.61 GB at batch 512 with heads 8x "
                     f"narrower, against {s['lwfedssl']['mem_total_max_at_512'] / GB:.2f} GB analytic here at batch "
-                    f"512 with the 4096-wide heads.")
+                    f"512 with the 4096-wide heads."
+                )
             elif key == "flops_total_mean":
                 fwd = e2e["flops_fvcore_equivalent_mean"] / x["flops_fvcore_equivalent_mean"]
                 fv = e2e["flops_fvcore_no_attention_mean"] / x["flops_fvcore_no_attention_mean"]
@@ -410,14 +500,16 @@ def explanations(results: dict[str, Any]) -> list[str]:
                     f"and the frozen blocks' forward, while its backward shrinks to block s + heads "
                     f"({x['flops_backward_mean'] / x['flops_total_mean']:.0%} of {LABELS[v]}'s mean step against "
                     f"{e2e['flops_backward_mean'] / e2e['flops_total_mean']:.0%} of FedMoCoV3's); which parts the "
-                    f"paper counts, and whether its backward is 2x the forward, is not stated.")
+                    f"paper counts, and whether its backward is 2x the forward, is not stated."
+                )
             elif key in ("total_encoder", "down_encoder", "up_encoder"):
                 with_heads = e2e[key.replace("encoder", "all")] / x[key.replace("encoder", "all")]
                 notes.append(
                     f"{label}. Encoder only here; with the 4096-wide MoCo v3 heads "
                     f"({results['heads_bytes_per_message'] / MIB:.1f} MiB per message against "
                     f"{results['encoder_bytes_per_message'] / MIB:.1f} MiB for the whole 12-block encoder) the ratio "
-                    f"is {with_heads:.2f}x.")
+                    f"is {with_heads:.2f}x."
+                )
             else:
                 notes.append(f"{label}.")
     return notes
@@ -428,39 +520,62 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     batch = results["batch"]
     sched = results["schedule"]
     lines = [
-        (f"# Layer-wise FedSSL client resources: FedMoCoV3 vs LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD "
-        f"({results['date']})"), "",
-        (f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
-        f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {results['cpu_count']} cores (another job "
-        f"shared them; no figure here is a time). Total run time {results['total_s']:.0f} s."), "",
-        (f"Schedule and model: the paper configs (`configs/lwfedssl/*.yaml`): ViT-Tiny/4 width 1.0 "
-        f"({results['encoder_parameters']:,} encoder parameters), {len(sched)} stages x {sched[0]} rounds = "
-        f"{sum(sched)} rounds, 10 clients in every round, 3 local epochs, MoCo v3 heads hidden 4096 / out 256 "
-        f"({results['heads_parameters']:,} head parameters, about 4x the encoder), AdamW. **Batch {batch}** for "
-        f"memory (the paper: 1024; v4: 512); FLOPs are per sample. Every figure is per client (all clients are "
-        f"equal under full participation). FLOPs: one local step, per image (both views), 2 FLOPs per "
-        f"multiply-add, the backward that actually runs, CPU attention counted (as on CUDA); LW-FedSSL includes the "
-        f"global copy's forward for the alignment term. Memory: analytic (parameters + buffers + gradients + AdamW "
-        f"state + saved activations, LW-FedSSL's global copy included), not a device peak. Bytes: Flower's "
-        f"`ArrayRecord.count_bytes()` of the messages the strategies build. How each figure is obtained: the "
-        f"script's docstring."), "",
-        "What travels per client and round (as measured by running the strategies, section 4):", "",
-        "| variant | trains on the client | down | up |", "|---|---|---|---|",
+        (
+            f"# Layer-wise FedSSL client resources: FedMoCoV3 vs LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD "
+            f"({results['date']})"
+        ),
+        "",
+        (
+            f"Machine: {results['machine']}. Command: `{results['command']}`. Load average (1 min) at start "
+            f"{results['load_start']:.2f}, at end {results['load_end']:.2f} on {results['cpu_count']} cores (another job "
+            f"shared them; no figure here is a time). Total run time {results['total_s']:.0f} s."
+        ),
+        "",
+        (
+            f"Schedule and model: the paper configs (`configs/lwfedssl/*.yaml`): ViT-Tiny/4 width 1.0 "
+            f"({results['encoder_parameters']:,} encoder parameters), {len(sched)} stages x {sched[0]} rounds = "
+            f"{sum(sched)} rounds, 10 clients in every round, 3 local epochs, MoCo v3 heads hidden 4096 / out 256 "
+            f"({results['heads_parameters']:,} head parameters, about 4x the encoder), AdamW. **Batch {batch}** for "
+            f"memory (the paper: 1024; v4: 512); FLOPs are per sample. Every figure is per client (all clients are "
+            f"equal under full participation). FLOPs: one local step, per image (both views), 2 FLOPs per "
+            f"multiply-add, the backward that actually runs, CPU attention counted (as on CUDA); LW-FedSSL includes the "
+            f"global copy's forward for the alignment term. Memory: analytic (parameters + buffers + gradients + AdamW "
+            f"state + saved activations, LW-FedSSL's global copy included), not a device peak. Bytes: Flower's "
+            f"`ArrayRecord.count_bytes()` of the messages the strategies build. How each figure is obtained: the "
+            f"script's docstring."
+        ),
+        "",
+        "What travels per client and round (as measured by running the strategies, section 4):",
+        "",
+        "| variant | trains on the client | down | up |",
+        "|---|---|---|---|",
         "| FedMoCoV3 | all 12 blocks, embeddings, norm, heads | everything | everything |",
-        ("| LW-FedSSL | block s + final norm + heads (+ embeddings at s = 1), + alignment to the global copy | "
-        "blocks 1..s + embeddings + norm + heads (calibration changed them all) | block s + norm + heads |"),
-        ("| FedMoCo-LW, FLL+DD | as LW-FedSSL without alignment (FLL+DD: each frozen block skipped with p = 0.5) | "
-        "block s + norm + heads; at a stage start also block s-1 (its last aggregate; at s = 2 the embeddings "
-        "too) | block s + norm + heads |"),
-        "| Prog-FedSSL | blocks 1..s, embeddings, norm, heads | the whole sub-model | the whole sub-model |", "",
-        "## 1. Summary per client", "",
-        (f"Memory at batch {batch}; peak = maximum over stages (what a client must hold), mean = over the "
-        f"{sum(sched)} rounds. FLOPs per sample of one local step, GFLOP. Bytes over the whole run, GB (10^9), "
-        "encoder (`backbone.*`) and heads (projector + predictor) apart."), "",
-        ("| variant | peak memory MiB | mean memory MiB | activations in the peak | GFLOP fwd+bwd max | mean | "
-        "fvcore-eq. mean | fvcore-eq. no attention, mean | down encoder GB | up encoder GB | encoder total GB | "
-        "down heads GB | up heads GB | total with heads GB |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        (
+            "| LW-FedSSL | block s + final norm + heads (+ embeddings at s = 1), + alignment to the global copy | "
+            "blocks 1..s + embeddings + norm + heads (calibration changed them all) | block s + norm + heads |"
+        ),
+        (
+            "| FedMoCo-LW, FLL+DD | as LW-FedSSL without alignment (FLL+DD: each frozen block skipped with p = 0.5) | "
+            "block s + norm + heads; at a stage start also block s-1 (its last aggregate; at s = 2 the embeddings "
+            "too) | block s + norm + heads |"
+        ),
+        "| Prog-FedSSL | blocks 1..s, embeddings, norm, heads | the whole sub-model | the whole sub-model |",
+        "",
+        "## 1. Summary per client",
+        "",
+        (
+            f"Memory at batch {batch}; peak = maximum over stages (what a client must hold), mean = over the "
+            f"{sum(sched)} rounds. FLOPs per sample of one local step, GFLOP. Bytes over the whole run, GB (10^9), "
+            "encoder (`backbone.*`) and heads (projector + predictor) apart."
+        ),
+        "",
+        (
+            "| variant | peak memory MiB | mean memory MiB | activations in the peak | GFLOP fwd+bwd max | mean | "
+            "fvcore-eq. mean | fvcore-eq. no attention, mean | down encoder GB | up encoder GB | encoder total GB | "
+            "down heads GB | up heads GB | total with heads GB |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in VARIANTS:
         x = s[v]
         flops_mean = f"{x['flops_total_mean'] / 1e9:.3f}"
@@ -471,30 +586,46 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             f"{x['mem_peak_activation_share']:.0%} | {x['flops_total_max'] / 1e9:.3f} | {flops_mean} | "
             f"{x['flops_fvcore_equivalent_mean'] / 1e9:.3f} | {x['flops_fvcore_no_attention_mean'] / 1e9:.3f} | "
             f"{gb(x['down_encoder'])} | {gb(x['up_encoder'])} | {gb(x['total_encoder'])} | "
-            f"{gb(x['bytes_down_heads'])} | {gb(x['bytes_up_heads'])} | {gb(x['total_all'])} |")
+            f"{gb(x['bytes_down_heads'])} | {gb(x['bytes_up_heads'])} | {gb(x['total_all'])} |"
+        )
     lin = results.get("activation_linearity")
     lines.append("")
     if lin:
-        lines.append(f"Saved activations are linear in the batch: FedMoCoV3's step saves "
-                     f"{lin['activations'] / MIB:,.1f} MiB at batch {lin['batch']} and "
-                     f"{lin['activations_small'] / MIB:,.1f} MiB at {lin['batch_small']} (ratio {lin['ratio']:.3f} for "
-                     f"a batch ratio of {lin['expected_ratio']:.0f}); the 'at batch b' figures below scale them so.")
-    lines += [("FLL+DD's memory and FLOPs are those of a step that skips nothing (its peak); its expected FLOPs "
-              "subtract the skipped frozen forwards at p = 0.5."), ""]
+        lines.append(
+            f"Saved activations are linear in the batch: FedMoCoV3's step saves "
+            f"{lin['activations'] / MIB:,.1f} MiB at batch {lin['batch']} and "
+            f"{lin['activations_small'] / MIB:,.1f} MiB at {lin['batch_small']} (ratio {lin['ratio']:.3f} for "
+            f"a batch ratio of {lin['expected_ratio']:.0f}); the 'at batch b' figures below scale them so."
+        )
+    lines += [
+        (
+            "FLL+DD's memory and FLOPs are those of a step that skips nothing (its peak); its expected FLOPs "
+            "subtract the skipped frozen forwards at p = 0.5."
+        ),
+        "",
+    ]
 
     cols = VARIANTS[1:]
-    lines += ["## 2. Ratios FedMoCoV3 / variant, against the paper", "",
-              "Paper: the pinned version, with calibration: LW-FedSSL 3.3x memory, 2.1x FLOPs, 3.2x communication, "
-              "of which download 1.8x and upload 12x (these decompose exactly as the encoder alone would: 12 blocks "
-              "against 1 up, 12 x 15 against 15 x (1 + ... + 12) blocks down); Prog-FedSSL 1.8x FLOPs and "
-              "communication and the same memory as end to end. v4's Table 2 (batch 512, no calibration, heads "
-              "hidden 512; arXiv v4), for the shape: "
-              + "; ".join(f"{LABELS[v]} memory {V4_TABLE2['fedmocov3'][0] / V4_TABLE2[v][0]:.2f}x, FLOPs "
-                          f"{V4_TABLE2['fedmocov3'][1] / V4_TABLE2[v][1]:.2f}x, communication "
-                          f"{V4_TABLE2['fedmocov3'][2] / V4_TABLE2[v][2]:.2f}x" for v in ("lwfedssl", "prog_fedssl"))
-              + ". Bold: the rows the paper reports; deviation = measured / paper - 1.", "",
-              "| FedMoCoV3 / variant | " + " | ".join(LABELS[v] for v in cols) + " | paper LW-FedSSL (dev.) | "
-              "paper Prog-FedSSL (dev.) |", "|---" * (3 + len(cols)) + "|"]
+    lines += [
+        "## 2. Ratios FedMoCoV3 / variant, against the paper",
+        "",
+        "Paper: the pinned version, with calibration: LW-FedSSL 3.3x memory, 2.1x FLOPs, 3.2x communication, "
+        "of which download 1.8x and upload 12x (these decompose exactly as the encoder alone would: 12 blocks "
+        "against 1 up, 12 x 15 against 15 x (1 + ... + 12) blocks down); Prog-FedSSL 1.8x FLOPs and "
+        "communication and the same memory as end to end. v4's Table 2 (batch 512, no calibration, heads "
+        "hidden 512; arXiv v4), for the shape: "
+        + "; ".join(
+            f"{LABELS[v]} memory {V4_TABLE2['fedmocov3'][0] / V4_TABLE2[v][0]:.2f}x, FLOPs "
+            f"{V4_TABLE2['fedmocov3'][1] / V4_TABLE2[v][1]:.2f}x, communication "
+            f"{V4_TABLE2['fedmocov3'][2] / V4_TABLE2[v][2]:.2f}x"
+            for v in ("lwfedssl", "prog_fedssl")
+        )
+        + ". Bold: the rows the paper reports; deviation = measured / paper - 1.",
+        "",
+        "| FedMoCoV3 / variant | " + " | ".join(LABELS[v] for v in cols) + " | paper LW-FedSSL (dev.) | "
+        "paper Prog-FedSSL (dev.) |",
+        "|---" * (3 + len(cols)) + "|",
+    ]
     for row in results["ratios"]:
         what = f"**{row['what']}**" if row["key"] in HEADLINE else row["what"]
         cells = []
@@ -511,12 +642,21 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     lines += [f"- {n}" for n in notes] if notes else ["- none"]
     lines.append("")
 
-    lines += ["## 3. Per stage (one client, one local step)", "",
-              (f"GFLOP per sample, fwd + bwd (LW-FedSSL: of which the global copy's alignment forward, in brackets), "
-              f"and analytic memory in MiB at batch {batch} (saved activations in brackets)."), "",
-              "| stage | " + " | ".join(f"{LABELS[v]} GFLOP" for v in VARIANTS) + " | "
-              + " | ".join(f"{LABELS[v]} MiB" for v in VARIANTS) + " |",
-              "|---" * (1 + 2 * len(VARIANTS)) + "|"]
+    lines += [
+        "## 3. Per stage (one client, one local step)",
+        "",
+        (
+            f"GFLOP per sample, fwd + bwd (LW-FedSSL: of which the global copy's alignment forward, in brackets), "
+            f"and analytic memory in MiB at batch {batch} (saved activations in brackets)."
+        ),
+        "",
+        "| stage | "
+        + " | ".join(f"{LABELS[v]} GFLOP" for v in VARIANTS)
+        + " | "
+        + " | ".join(f"{LABELS[v]} MiB" for v in VARIANTS)
+        + " |",
+        "|---" * (1 + 2 * len(VARIANTS)) + "|",
+    ]
     for i in range(len(sched)):
         cells = []
         for v in VARIANTS:
@@ -530,12 +670,19 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             cells.append(f"{r['mem_total'] / MIB:,.0f} ({r['mem_activations'] / MIB:,.0f})")
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
 
-    lines += ["", "## 4. Encoder bytes per client and round, by stage (MiB)", "",
-              (f"The heads add {results['heads_bytes_per_message'] / MIB:.2f} MiB each way in every round of every "
-              "variant. First = the stage's first round, later = each of its other rounds (simulated: the second "
-              "and third rounds of every stage sent the same bytes, for every variant)."), "",
-              "| stage | " + " | ".join(f"{LABELS[v]} down, first / later | {LABELS[v]} up" for v in cols) + " |",
-              "|---" * (1 + 2 * len(cols)) + "|"]
+    lines += [
+        "",
+        "## 4. Encoder bytes per client and round, by stage (MiB)",
+        "",
+        (
+            f"The heads add {results['heads_bytes_per_message'] / MIB:.2f} MiB each way in every round of every "
+            "variant. First = the stage's first round, later = each of its other rounds (simulated: the second "
+            "and third rounds of every stage sent the same bytes, for every variant)."
+        ),
+        "",
+        "| stage | " + " | ".join(f"{LABELS[v]} down, first / later | {LABELS[v]} up" for v in cols) + " |",
+        "|---" * (1 + 2 * len(cols)) + "|",
+    ]
     for i in range(len(sched)):
         cells = []
         for v in cols:
@@ -544,8 +691,14 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             cells.append(f"{p['later']['bytes_up_encoder'] / MIB:.2f}")
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     e = results["communication"]["fedmocov3"]["per_stage"][0]["later"]
-    lines += ["", (f"FedMoCoV3: {e['bytes_down_encoder'] / MIB:.2f} MiB of encoder (+ "
-              f"{e['bytes_down_heads'] / MIB:.2f} MiB of heads) each way in every round."), ""]
+    lines += [
+        "",
+        (
+            f"FedMoCoV3: {e['bytes_down_encoder'] / MIB:.2f} MiB of encoder (+ "
+            f"{e['bytes_down_heads'] / MIB:.2f} MiB of heads) each way in every round."
+        ),
+        "",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -585,15 +738,22 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": shown_command(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, Python "
-                   f"{platform.python_version()}, torch {torch.__version__}, flwr {flwr.__version__}, "
-                   f"numpy {np.__version__}",
-        "cpu_count": os.cpu_count(), "load_start": os.getloadavg()[0], "batch": args.batch,
-        "sim_clients": args.sim_clients, "sim_rounds_per_stage": SIM_ROUNDS_PER_STAGE, "schedule": schedule,
+        f"{platform.python_version()}, torch {torch.__version__}, flwr {flwr.__version__}, "
+        f"numpy {np.__version__}",
+        "cpu_count": os.cpu_count(),
+        "load_start": os.getloadavg()[0],
+        "batch": args.batch,
+        "sim_clients": args.sim_clients,
+        "sim_rounds_per_stage": SIM_ROUNDS_PER_STAGE,
+        "schedule": schedule,
         "encoder_parameters": int(sum(p.numel() for p in model.backbone.parameters())),
-        "heads_parameters": int(sum(p.numel() for n, p in model.named_parameters()
-                                    if n.startswith(("projector.", "predictor.")))),
-        "encoder_bytes_per_message": enc_bytes, "heads_bytes_per_message": head_bytes,
-        "paper": PAPER, "paper_v4_table2": V4_TABLE2,
+        "heads_parameters": int(
+            sum(p.numel() for n, p in model.named_parameters() if n.startswith(("projector.", "predictor.")))
+        ),
+        "encoder_bytes_per_message": enc_bytes,
+        "heads_bytes_per_message": head_bytes,
+        "paper": PAPER,
+        "paper_v4_table2": V4_TABLE2,
     }
     del model, shared
     t0 = time.perf_counter()
@@ -614,8 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if "compute" in results and "communication" in results:
-        results["summary"] = summarise(results["compute"], results["communication"], schedule, args.batch,
-                                       paper_batches)
+        results["summary"] = summarise(
+            results["compute"], results["communication"], schedule, args.batch, paper_batches
+        )
         results["ratios"] = ratio_rows(results["summary"], paper_batches)
         results["notes"] = explanations(results)
         out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")

@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", required=True)
     ap.add_argument("--method", default="byol")
     ap.add_argument("--options", default="{}", help="method options (JSON)")
-    ap.add_argument("--train", default='{"batch_size": 128, "lr": 0.001, "optimizer": "adam"}',
-                    help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay")
+    ap.add_argument(
+        "--train",
+        default='{"batch_size": 128, "lr": 0.001, "optimizer": "adam"}',
+        help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay",
+    )
     ap.add_argument("--augment", default="{}", help="the config's augment section (JSON)")
     ap.add_argument("--arch", default="resnet18")
     ap.add_argument("--width", type=float, default=0.25)
@@ -46,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     data = np.load(args.data)
     x_train, y_train, x_test, y_test = data["x_train"], data["y_train"], data["x_test"], data["y_test"]
-    train_images = x_train[np.random.default_rng(args.seed).permutation(len(x_train))[:args.images]]
+    train_images = x_train[np.random.default_rng(args.seed).permutation(len(x_train))[: args.images]]
     bank = np.random.default_rng(args.seed + 1).permutation(len(x_train))[:5000]
     test = np.random.default_rng(args.seed + 2).permutation(len(x_test))[:1000]
-    raw = {"model": {"arch": args.arch, "width": args.width},
-           "method": {"name": args.method, "options": json.loads(args.options)}}
+    raw = {
+        "model": {"arch": args.arch, "width": args.width},
+        "method": {"name": args.method, "options": json.loads(args.options)},
+    }
     if json.loads(args.augment):
         raw["augment"] = json.loads(args.augment)
     cfg = ExperimentConfig.from_dict(raw)
@@ -60,8 +65,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def score(epoch: int, started: float) -> None:
         r = evaluate_backbone(method.backbone, x_train[bank], y_train[bank], x_test[test], y_test[test], num_classes)
-        print(json.dumps({"method": args.method, "epoch": epoch, "linear_probe_acc": r["linear_probe_acc"],
-                          "knn_acc": r["knn_acc"], "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "method": args.method,
+                    "epoch": epoch,
+                    "linear_probe_acc": r["linear_probe_acc"],
+                    "knn_acc": r["knn_acc"],
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            ),
+            flush=True,
+        )
 
     started = time.perf_counter()
     score(0, started)  # the random-init reference of this very model

@@ -50,13 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", required=True, help=".npz with x_train, y_train, x_test, y_test")
     ap.add_argument("--method", default="byol")
     ap.add_argument("--options", default=BYOL_CPU_HEADS, help="method options (JSON)")
-    ap.add_argument("--train", default='{"batch_size": 64, "lr": 0.001, "optimizer": "adam"}',
-                    help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay")
+    ap.add_argument(
+        "--train",
+        default='{"batch_size": 64, "lr": 0.001, "optimizer": "adam"}',
+        help="train_ssl arguments (JSON): batch_size, lr, optimizer, momentum, weight_decay",
+    )
     ap.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine")
     ap.add_argument("--augment", default="{}", help="the config's augment section (JSON)")
     ap.add_argument("--arch", default="resnet18", help="encoder (the registry's name, e.g. vit_tiny)")
-    ap.add_argument("--arch-options", default="{}",
-                    help='the encoder\'s own options (JSON), e.g. \'{"depth": 6}\' for a 6-block vit_tiny')
+    ap.add_argument(
+        "--arch-options",
+        default="{}",
+        help="the encoder's own options (JSON), e.g. '{\"depth\": 6}' for a 6-block vit_tiny",
+    )
     ap.add_argument("--width", type=float, default=0.25)
     ap.add_argument("--images", type=int, default=4000)
     ap.add_argument("--clients", type=int, default=3)
@@ -70,14 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     data = np.load(args.data)
     x_train, y_train, x_test, y_test = data["x_train"], data["y_train"], data["x_test"], data["y_test"]
     chosen = stratified_choice(y_train, args.images, np.random.default_rng(args.seed))
-    parts = (dirichlet_partition(y_train[chosen], args.clients, args.alpha, args.seed) if args.clients > 1
-             else [np.arange(len(chosen))])
+    parts = (
+        dirichlet_partition(y_train[chosen], args.clients, args.alpha, args.seed)
+        if args.clients > 1
+        else [np.arange(len(chosen))]
+    )
     bank = np.random.default_rng(args.seed + 5).permutation(len(x_train))[:5000]
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     train = json.loads(args.train)
-    raw = {"rounds": args.rounds, "model": {"arch": args.arch, "width": args.width},
-           "method": {"name": args.method, "options": json.loads(args.options)},
-           "train": {"lr": train["lr"], "lr_schedule": args.lr_schedule}}  # cfg.round_lr: the app's schedule
+    raw = {
+        "rounds": args.rounds,
+        "model": {"arch": args.arch, "width": args.width},
+        "method": {"name": args.method, "options": json.loads(args.options)},
+        "train": {"lr": train["lr"], "lr_schedule": args.lr_schedule},
+    }  # cfg.round_lr: the app's schedule
     if json.loads(args.augment):
         raw["augment"] = json.loads(args.augment)
     cfg = ExperimentConfig.from_dict(raw)
@@ -88,10 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     def score(server_round: int, linear: bool) -> None:
-        r = evaluate_backbone(global_model.backbone, x_train[bank], y_train[bank], x_test, y_test, num_classes,
-                              linear=linear)
-        print(json.dumps({"round": server_round, "linear_probe_acc": r["linear_probe_acc"], "knn_acc": r["knn_acc"],
-                          "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        r = evaluate_backbone(
+            global_model.backbone, x_train[bank], y_train[bank], x_test, y_test, num_classes, linear=linear
+        )
+        print(
+            json.dumps(
+                {
+                    "round": server_round,
+                    "linear_probe_acc": r["linear_probe_acc"],
+                    "knn_acc": r["knn_acc"],
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            ),
+            flush=True,
+        )
 
     score(0, linear=True)
     for server_round in range(1, args.rounds + 1):
@@ -100,15 +122,31 @@ def main(argv: list[str] | None = None) -> int:
         states, sizes, losses, precision = [], [], [], ""
         for k, (client, part) in enumerate(zip(clients, parts)):
             load_partial_state(client, global_shared)  # the download; the client's target stays its own
-            stats = train_ssl(client, x_train[chosen[part]], epochs=args.epochs, augment=augment,
-                              seed=args.seed * 1000 + server_round * 10 + k, **{**train, "lr": lr})
+            stats = train_ssl(
+                client,
+                x_train[chosen[part]],
+                epochs=args.epochs,
+                augment=augment,
+                seed=args.seed * 1000 + server_round * 10 + k,
+                **{**train, "lr": lr},
+            )
             states.append(state_to_numpy(split_state(client, shared)[0]))
             sizes.append(len(part))
             losses.append(stats.loss)
             precision = stats.precision
         load_partial_state(global_model, weighted_average(states, sizes))
-        print(json.dumps({"round": server_round, "train_loss": round(float(np.mean(losses)), 4), "lr": lr,
-                          "precision": precision, "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "round": server_round,
+                    "train_loss": round(float(np.mean(losses)), 4),
+                    "lr": lr,
+                    "precision": precision,
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            ),
+            flush=True,
+        )
         last = server_round == args.rounds
         if last or server_round % args.every == 0:
             score(server_round, linear=last)

@@ -38,8 +38,10 @@ from ssl_models.networks import build_backbone
 from ssl_models.training import cpu_has_fast_bf16, fast_path_for
 
 RESULTS = REPO / "benchmarks" / "results"
-HEADS = {"simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
-         "byol": {"proj_hidden_dim": 4096, "proj_out_dim": 256, "pred_hidden_dim": 4096}}
+HEADS = {
+    "simclr": {"proj_hidden_dim": 512, "proj_out_dim": 128},
+    "byol": {"proj_hidden_dim": 4096, "proj_out_dim": 256, "pred_hidden_dim": 4096},
+}
 GROUPS = (  # operator name fragments -> group, first match wins
     ("convolution", ("conv", "mkldnn_convolution")),
     ("batch norm", ("batch_norm", "native_batch_norm")),
@@ -56,7 +58,7 @@ def matmul_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> float:
     t0 = time.perf_counter()
     for _ in range(repeats):
         torch.mm(a, b)
-    return 2 * n ** 3 * repeats / (time.perf_counter() - t0) / 1e9
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
 # A CIFAR ResNet-18's 3x3 convolutions at width 1: (channels, feature-map side, layers of that shape); each
@@ -79,6 +81,7 @@ def conv_gflops(dtype: torch.dtype, batch: int, channels: int, side: int, repeat
             y = torch.nn.functional.conv2d(xg, wg, padding=1)
             if mode != "forward":
                 y.backward(torch.ones_like(y))
+
         run()  # warm-up: oneDNN builds its kernels on the first call
         t0 = time.perf_counter()
         for _ in range(repeats):
@@ -101,8 +104,12 @@ def conv_limits(batch: int) -> dict:
             row[name] = conv_gflops(dt, batch, channels, side)
             seconds[name] += layers * row[name]["forward+backward_s"]
         shapes.append(row)
-    return {"batch": batch, "shapes": shapes, "step_convs_s": seconds,
-            "step_convs_ratio": seconds["float32"] / seconds["bfloat16"]}
+    return {
+        "batch": batch,
+        "shapes": shapes,
+        "step_convs_s": seconds,
+        "step_convs_ratio": seconds["float32"] / seconds["bfloat16"],
+    }
 
 
 def build(method: str) -> torch.nn.Module:
@@ -121,8 +128,10 @@ def step_fn(model, augment, images, opt, fast: bool):
             if fp.channels_last:
                 v1 = v1.contiguous(memory_format=torch.channels_last)
                 v2 = v2.contiguous(memory_format=torch.channels_last)
-        with record_function("forward"), torch.autocast("cpu", dtype=fp.autocast_dtype or torch.float32,
-                                                         enabled=fp.autocast_dtype is not None):
+        with (
+            record_function("forward"),
+            torch.autocast("cpu", dtype=fp.autocast_dtype or torch.float32, enabled=fp.autocast_dtype is not None),
+        ):
             loss = model.training_step(v1, v2)
         opt.zero_grad(set_to_none=True)
         with record_function("backward"):
@@ -130,6 +139,7 @@ def step_fn(model, augment, images, opt, fast: bool):
         with record_function("optimizer"):
             opt.step()
             model.after_optimizer_step()
+
     return step, fp
 
 
@@ -176,11 +186,20 @@ def profile_step(method: str, batch: int, steps: int, fast: bool) -> dict:
         groups[group_of(evt.key)] += self_s
         top.append((self_s, evt.key))
     top.sort(reverse=True)
-    return {"method": method, "batch": batch, "fast_path": fast, "precision": fp.precision,
-            "channels_last": fp.channels_last, "seconds_per_step": seconds, "flops_per_step": flops,
-            "gflops_achieved": flops / seconds / 1e9, "phases_s": dict(phases),
-            "groups_self_s": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "self_total_s": total_self,
-            "top_ops": [{"op": k, "self_s": s} for s, k in top[:12]]}
+    return {
+        "method": method,
+        "batch": batch,
+        "fast_path": fast,
+        "precision": fp.precision,
+        "channels_last": fp.channels_last,
+        "seconds_per_step": seconds,
+        "flops_per_step": flops,
+        "gflops_achieved": flops / seconds / 1e9,
+        "phases_s": dict(phases),
+        "groups_self_s": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "self_total_s": total_self,
+        "top_ops": [{"op": k, "self_s": s} for s, k in top[:12]],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,60 +211,112 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "fast_path_profile"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    limits = {str(dt).split(".")[-1]: {n: matmul_gflops(dt, n) for n in (1024, 2048, 4096)}
-              for dt in (torch.float32, torch.bfloat16)}
+    limits = {
+        str(dt).split(".")[-1]: {n: matmul_gflops(dt, n) for n in (1024, 2048, 4096)}
+        for dt in (torch.float32, torch.bfloat16)
+    }
     convs = conv_limits(2 * args.batch)  # both views go through the encoder as one batch
     runs = [profile_step(args.method, args.batch, args.steps, fast) for fast in (False, True)]
-    command = (f"python benchmarks/profile_fast_path.py --method {args.method} --batch {args.batch} "
-               f"--steps {args.steps} --threads {args.threads}")
-    record = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or
-              platform.machine(), "native_bf16": cpu_has_fast_bf16(), "torch": torch.__version__,
-              "threads": args.threads, "matmul_gflops": limits, "conv_gflops": convs, "runs": runs}
+    command = (
+        f"python benchmarks/profile_fast_path.py --method {args.method} --batch {args.batch} "
+        f"--steps {args.steps} --threads {args.threads}"
+    )
+    record = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "native_bf16": cpu_has_fast_bf16(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "matmul_gflops": limits,
+        "conv_gflops": convs,
+        "runs": runs,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
     fp32, fast = runs
     best = {k: max(v.values()) for k, v in limits.items()}
-    lines = [f"# Where a training step's time goes ({record['date']})", "",
-             (f"Command: `{command}`. torch {torch.__version__}, {args.threads} threads, CPU with native bf16: "
-             f"{record['native_bf16']}. {args.method} on a CIFAR ResNet-18 (width 1), batch {args.batch} x 2 views, "
-             "SGD; random images (the step's cost does not depend on their content)."), "",
-             "## The machine's matrix-product limits", "",
-             "| dtype | 1024 | 2048 | 4096 | (GFLOP/s, square torch.mm) |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Where a training step's time goes ({record['date']})",
+        "",
+        (
+            f"Command: `{command}`. torch {torch.__version__}, {args.threads} threads, CPU with native bf16: "
+            f"{record['native_bf16']}. {args.method} on a CIFAR ResNet-18 (width 1), batch {args.batch} x 2 views, "
+            "SGD; random images (the step's cost does not depend on their content)."
+        ),
+        "",
+        "## The machine's matrix-product limits",
+        "",
+        "| dtype | 1024 | 2048 | 4096 | (GFLOP/s, square torch.mm) |",
+        "|---|---|---|---|---|",
+    ]
     for dt, by_n in limits.items():
         lines.append(f"| {dt} | " + " | ".join(f"{by_n[n]:.0f}" for n in (1024, 2048, 4096)) + " | |")
-    lines += ["", f"bf16 / fp32 best: {best['bfloat16'] / best['float32']:.2f}x.", "",
-              "## The convolutions' limits", "",
-              (f"One 3x3 convolution of each ResNet-18 shape at batch {convs['batch']} (both views), channels-last, "
-              "GFLOP/s counted as the direct convolution (a fp32 rate above the fp32 matrix-product limit means "
-              "the kernel does fewer operations than that count):"), "",
-              "| channels x side (layers) | fp32 fwd | bf16 fwd | fp32 fwd+bwd | bf16 fwd+bwd | bf16 / fp32 fwd+bwd |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"bf16 / fp32 best: {best['bfloat16'] / best['float32']:.2f}x.",
+        "",
+        "## The convolutions' limits",
+        "",
+        (
+            f"One 3x3 convolution of each ResNet-18 shape at batch {convs['batch']} (both views), channels-last, "
+            "GFLOP/s counted as the direct convolution (a fp32 rate above the fp32 matrix-product limit means "
+            "the kernel does fewer operations than that count):"
+        ),
+        "",
+        "| channels x side (layers) | fp32 fwd | bf16 fwd | fp32 fwd+bwd | bf16 fwd+bwd | bf16 / fp32 fwd+bwd |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in convs["shapes"]:
         f32, b16 = r["float32"], r["bfloat16"]
-        lines.append(f"| {r['channels']} x {r['side']} ({r['layers']}) | {f32['forward']:.0f} | {b16['forward']:.0f} | "
-                     f"{f32['forward+backward']:.0f} | {b16['forward+backward']:.0f} | "
-                     f"{b16['forward+backward'] / f32['forward+backward']:.2f}x |")
-    lines += ["", (f"The step's 3x3 convolutions alone (forward + backward, weighted by layers): fp32 "
-              f"{convs['step_convs_s']['float32']:.3f} s, bf16 {convs['step_convs_s']['bfloat16']:.3f} s: "
-              f"**{convs['step_convs_ratio']:.2f}x**, the ceiling of a fast path whose time is convolutions."), "",
-              "## The step", "",
-              "| | precision | s / step | GFLOP / step | achieved GFLOP/s | share of the dtype's matmul limit |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['channels']} x {r['side']} ({r['layers']}) | {f32['forward']:.0f} | {b16['forward']:.0f} | "
+            f"{f32['forward+backward']:.0f} | {b16['forward+backward']:.0f} | "
+            f"{b16['forward+backward'] / f32['forward+backward']:.2f}x |"
+        )
+    lines += [
+        "",
+        (
+            f"The step's 3x3 convolutions alone (forward + backward, weighted by layers): fp32 "
+            f"{convs['step_convs_s']['float32']:.3f} s, bf16 {convs['step_convs_s']['bfloat16']:.3f} s: "
+            f"**{convs['step_convs_ratio']:.2f}x**, the ceiling of a fast path whose time is convolutions."
+        ),
+        "",
+        "## The step",
+        "",
+        "| | precision | s / step | GFLOP / step | achieved GFLOP/s | share of the dtype's matmul limit |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in runs:
         limit = best["bfloat16" if r["precision"] == "bf16" else "float32"]
-        lines.append(f"| {'fast path' if r['fast_path'] else 'plain fp32'} | {r['precision']} | "
-                     f"{r['seconds_per_step']:.3f} | {r['flops_per_step'] / 1e9:.1f} | {r['gflops_achieved']:.0f} | "
-                     f"{100 * r['gflops_achieved'] / limit:.0f} % |")
-    lines += ["", f"Fast path speed-up: **{fp32['seconds_per_step'] / fast['seconds_per_step']:.2f}x**.", "",
-              "Phases (profiler ranges, s per step; the profiler's own overhead inflates them a little):", "",
-              "| phase | plain fp32 | fast path |", "|---|---|---|"]
+        lines.append(
+            f"| {'fast path' if r['fast_path'] else 'plain fp32'} | {r['precision']} | "
+            f"{r['seconds_per_step']:.3f} | {r['flops_per_step'] / 1e9:.1f} | {r['gflops_achieved']:.0f} | "
+            f"{100 * r['gflops_achieved'] / limit:.0f} % |"
+        )
+    lines += [
+        "",
+        f"Fast path speed-up: **{fp32['seconds_per_step'] / fast['seconds_per_step']:.2f}x**.",
+        "",
+        "Phases (profiler ranges, s per step; the profiler's own overhead inflates them a little):",
+        "",
+        "| phase | plain fp32 | fast path |",
+        "|---|---|---|",
+    ]
     for phase in ("augmentation", "forward", "backward", "optimizer"):
         lines.append(f"| {phase} | {fp32['phases_s'].get(phase, 0):.3f} | {fast['phases_s'].get(phase, 0):.3f} |")
-    lines += ["", "Operator groups (self time, forward and backward together, s per step):", "",
-              "| group | plain fp32 | fast path |", "|---|---|---|"]
+    lines += [
+        "",
+        "Operator groups (self time, forward and backward together, s per step):",
+        "",
+        "| group | plain fp32 | fast path |",
+        "|---|---|---|",
+    ]
     for group in dict.fromkeys(list(fast["groups_self_s"]) + list(fp32["groups_self_s"])):
-        lines.append(f"| {group} | {fp32['groups_self_s'].get(group, 0):.3f} | {fast['groups_self_s'].get(group, 0):.3f} |")
+        lines.append(
+            f"| {group} | {fp32['groups_self_s'].get(group, 0):.3f} | {fast['groups_self_s'].get(group, 0):.3f} |"
+        )
     lines += ["", "Top operators of the fast path (self time, s per step):", "", "| operator | s |", "|---|---|"]
     lines += [f"| `{t['op']}` | {t['self_s']:.3f} |" for t in fast["top_ops"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -61,17 +61,25 @@ def client_placement(requested: str) -> placement.Placement:
     ``DevicePlacementError`` naming the cause when ``cuda`` is asked and no GPU is usable: never a silent CPU run."""
     mask = "" if RAY_GPU_MASK_REMOVED else os.environ.get("CUDA_VISIBLE_DEVICES")  # as the process was started
     return placement.decide_client_device(
-        requested, cuda_visible_devices=mask, in_ray_worker=placement.in_ray_worker(),
-        gpus_on_machine=placement.physical_gpu_count(), cuda_available=torch.cuda.is_available(),
-        keep_ray_mask=placement.keeps_ray_gpu_mask())
+        requested,
+        cuda_visible_devices=mask,
+        in_ray_worker=placement.in_ray_worker(),
+        gpus_on_machine=placement.physical_gpu_count(),
+        cuda_available=torch.cuda.is_available(),
+        keep_ray_mask=placement.keeps_ray_gpu_mask(),
+    )
 
 
 def where_this_runs(where: placement.Placement) -> ConfigRecord:
     """The host of this ClientApp and, inside a simulation's Ray worker, the Ray node's id and IP address (on a Ray
     cluster of several machines: which one trained this client's round); the device it trained on, why, and the
     NVIDIA GPUs of its machine (a CPU round on a GPU machine shows), for metrics.jsonl."""
-    info = {"host": platform.node(), "device": placement.device_label(where.device), "device-reason": where.reason,
-            "gpus-on-machine": placement.physical_gpu_count()}
+    info = {
+        "host": platform.node(),
+        "device": placement.device_label(where.device),
+        "device-reason": where.reason,
+        "gpus-on-machine": placement.physical_gpu_count(),
+    }
     if in_simulation():
         try:
             import ray
@@ -87,7 +95,6 @@ def refuse_other_code(msg: Message) -> None:
     """Every handler's first step: a message from a ServerApp running other code is refused (``CodeMismatch``,
     an error reply naming both digests and where this ClientApp's code was loaded from)."""
     check_same_code(msg.content.config_records.get("config"))
-
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -165,11 +172,21 @@ def info(msg: Message, context: Context) -> Message:
     """Tell the server which partition this node holds, so it can map node ids to clients."""
     refuse_other_code(msg)
     pid, num = _partition(context)
-    return Message(RecordDict({
-        "metrics": MetricRecord({"partition-id": pid, "num-partitions": num}),
-        "info": ConfigRecord({"host": platform.node(), "cuda": torch.cuda.is_available(),
-                              "has-data-path": bool(context.node_config.get("data-path", ""))}),
-    }), reply_to=msg)
+    return Message(
+        RecordDict(
+            {
+                "metrics": MetricRecord({"partition-id": pid, "num-partitions": num}),
+                "info": ConfigRecord(
+                    {
+                        "host": platform.node(),
+                        "cuda": torch.cuda.is_available(),
+                        "has-data-path": bool(context.node_config.get("data-path", "")),
+                    }
+                ),
+            }
+        ),
+        reply_to=msg,
+    )
 
 
 @dataclass
@@ -203,16 +220,20 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     data_path = str(context.node_config.get("data-path", "")) or None
     scope = str(config.get("data-scope", "partition"))
     images = local_images(cfg, pid, data_path, scope)
-    r = RoundInputs(config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at,
-                    where_to_train)
+    r = RoundInputs(
+        config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at, where_to_train
+    )
     root = stop_marker_root(msg, context)  # checked before every local epoch too (tasks.local_training)
     set_stop_check((lambda: run_stopped(root)) if root is not None else None)
-    where = ("the union of all partitions of " if scope == "union" else "its partition of ") + \
-        (cfg.data.path or cfg.data.dataset)
+    where = ("the union of all partitions of " if scope == "union" else "its partition of ") + (
+        cfg.data.path or cfg.data.dataset
+    )
     # Deployed, this goes to the SuperNode's (or its executor's) log: say where this client's output lives.
-    r.log(f"run {context.run_id} on host {platform.node()}, device {placement.device_label(where_to_train.device)} "
-          f"({where_to_train.reason}): {len(images)} images from {data_path or where}; "
-          f"{state_location(config, context)}")
+    r.log(
+        f"run {context.run_id} on host {platform.node()}, device {placement.device_label(where_to_train.device)} "
+        f"({where_to_train.reason}): {len(images)} images from {data_path or where}; "
+        f"{state_location(config, context)}"
+    )
     return r
 
 
@@ -229,9 +250,17 @@ def state_location(config: ConfigRecord, context: Context) -> str:
 def train_metrics(pid: int, s: TrainStats) -> dict:
     """The reply's metrics of one local training: loss, size, time, and the resource figures as ``res.*``."""
     # A metric record holds numbers only: the precision the step ran in travels as its name ("precision.bf16": 1).
-    return {"partition-id": pid, "num-examples": s.num_examples, "train_loss": s.loss, "train_s": s.seconds,
-            "steps": s.steps, "images_per_s": s.images_per_s, "compiled": int(s.compiled), f"precision.{s.precision}": 1,
-            **{f"res.{key}": float(value) for key, value in s.resources.items()}}
+    return {
+        "partition-id": pid,
+        "num-examples": s.num_examples,
+        "train_loss": s.loss,
+        "train_s": s.seconds,
+        "steps": s.steps,
+        "images_per_s": s.images_per_s,
+        "compiled": int(s.compiled),
+        f"precision.{s.precision}": 1,
+        **{f"res.{key}": float(value) for key, value in s.resources.items()},
+    }
 
 
 @app.train()
@@ -240,15 +269,23 @@ def train(msg: Message, context: Context) -> Message:
     r = round_inputs(msg, context)
     config = r.config
     prefix = "rule-input."  # per-client values from the server for the download rule (FedEMA's lambda)
-    rule_inputs = {key[len(prefix):]: config[key] for key in config if key.startswith(prefix)}
+    rule_inputs = {key[len(prefix) :]: config[key] for key in config if key.startswith(prefix)}
     result = train_local_ssl(
-        r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
-        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
+        r.cfg,
+        r.images,
+        from_array_record(msg.content["arrays"]),
+        load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round,
+        partition_id=r.partition_id,
+        lr=float(config["lr"]),
         update_both=bool(config.get("update-both", False)),
         aggregate_target=bool(config.get("aggregate-target", False)),
-        rule=str(config.get("client-update", "fedssl")), rule_options=r.cfg.strategy.options,
-        rule_inputs=rule_inputs, proximal_mu=float(config.get("proximal-mu", 0.0)),
-        proximal_form=str(config.get("proximal-form", "paper")), log=r.log,
+        rule=str(config.get("client-update", "fedssl")),
+        rule_options=r.cfg.strategy.options,
+        rule_inputs=rule_inputs,
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        proximal_form=str(config.get("proximal-form", "paper")),
+        log=r.log,
     )
     metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     # What the download rule did (FedEMA's mu and divergence, FedU's predictor switch), for the audit log.
@@ -257,8 +294,13 @@ def train(msg: Message, context: Context) -> Message:
             metrics[f"rule.{key}"] = int(value)
         elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
-    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
+    reply = RecordDict(
+        {
+            "arrays": to_array_record(result.shared_state),
+            "metrics": MetricRecord(metrics),
+            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
+        }
+    )
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -269,15 +311,26 @@ def train_similarity(msg: Message, context: Context) -> Message:
     r = round_inputs(msg, context)
     config = r.config
     result = similarity_round(
-        r.cfg, r.images, public_images(r.cfg, source=str(config["public-source"])),
-        from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
-        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]),
-        public_digest=str(config["public-digest"]), similarity=str(config["similarity"]),
-        topk_fraction=float(config.get("topk-fraction", 0.0)) or None, log=r.log,
+        r.cfg,
+        r.images,
+        public_images(r.cfg, source=str(config["public-source"])),
+        from_array_record(msg.content["arrays"]),
+        load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round,
+        partition_id=r.partition_id,
+        lr=float(config["lr"]),
+        public_digest=str(config["public-digest"]),
+        similarity=str(config["similarity"]),
+        topk_fraction=float(config.get("topk-fraction", 0.0)) or None,
+        log=r.log,
     )
-    reply = RecordDict({SIMILARITY_RECORD: to_array_record(result.payload),
-                        "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()}),
-                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
+    reply = RecordDict(
+        {
+            SIMILARITY_RECORD: to_array_record(result.payload),
+            "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()}),
+            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
+        }
+    )
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -289,16 +342,29 @@ def train_kernel(msg: Message, context: Context) -> Message:
     r = round_inputs(msg, context)
     config = r.config
     result = kernel_round(
-        r.cfg, r.images, public_images(r.cfg), from_array_record(msg.content["arrays"]),
-        load_client_state(msg, context, r.partition_id), server_round=r.server_round, partition_id=r.partition_id,
-        lr=float(config["lr"]), rad_digest=str(config["rad-digest"]), options=r.cfg.strategy.options, log=r.log,
+        r.cfg,
+        r.images,
+        public_images(r.cfg),
+        from_array_record(msg.content["arrays"]),
+        load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round,
+        partition_id=r.partition_id,
+        lr=float(config["lr"]),
+        rad_digest=str(config["rad-digest"]),
+        options=r.cfg.strategy.options,
+        log=r.log,
     )
     metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     for key, value in result.info.items():  # CKA to K_bar before/after, the alignment term's mean value
         if isinstance(value, (bool, int, float)):
             metrics[f"align.{key}"] = float(value)
-    reply = RecordDict({KERNEL_RECORD: to_array_record(result.payload), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
+    reply = RecordDict(
+        {
+            KERNEL_RECORD: to_array_record(result.payload),
+            "metrics": MetricRecord(metrics),
+            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
+        }
+    )
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)
 
@@ -312,11 +378,23 @@ def query_kernel(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     cfg = ExperimentConfig.from_json(str(config["experiment"]))
     client_placement(cfg.train.device)  # the kernel's forward runs on train.device: a GPU that is not there is named
-    payload, norm = initial_kernel(cfg, public_images(cfg), load_client_state(msg, context, pid), partition_id=pid,
-                                   rad_digest=str(config["rad-digest"]), options=cfg.strategy.options)
-    return Message(RecordDict({KERNEL_RECORD: to_array_record(payload),
-                               "metrics": MetricRecord({"partition-id": pid, "align.kernel_norm": norm})}),
-                   reply_to=msg)
+    payload, norm = initial_kernel(
+        cfg,
+        public_images(cfg),
+        load_client_state(msg, context, pid),
+        partition_id=pid,
+        rad_digest=str(config["rad-digest"]),
+        options=cfg.strategy.options,
+    )
+    return Message(
+        RecordDict(
+            {
+                KERNEL_RECORD: to_array_record(payload),
+                "metrics": MetricRecord({"partition-id": pid, "align.kernel_norm": norm}),
+            }
+        ),
+        reply_to=msg,
+    )
 
 
 @app.query("encoder")
@@ -340,10 +418,17 @@ def train_layerwise(msg: Message, context: Context) -> Message:
     own blocks, train its active part, upload that part (``lw-*`` config keys: the round's plan)."""
     r = round_inputs(msg, context)
     config = r.config
-    plan = {key[len("lw-"):]: config[key] for key in config if key.startswith("lw-")}
+    plan = {key[len("lw-") :]: config[key] for key in config if key.startswith("lw-")}
     result = layerwise_round(
-        r.cfg, r.images, from_array_record(msg.content["arrays"]), load_client_state(msg, context, r.partition_id),
-        server_round=r.server_round, partition_id=r.partition_id, lr=float(config["lr"]), plan=plan, log=r.log,
+        r.cfg,
+        r.images,
+        from_array_record(msg.content["arrays"]),
+        load_client_state(msg, context, r.partition_id),
+        server_round=r.server_round,
+        partition_id=r.partition_id,
+        lr=float(config["lr"]),
+        plan=plan,
+        log=r.log,
     )
     metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
     for key, value in result.info.items():  # resources (FLOPs, memory, RSS), alignment loss: numbers only
@@ -351,7 +436,12 @@ def train_layerwise(msg: Message, context: Context) -> Message:
             metrics[f"lw.{key}"] = int(value)
         elif isinstance(value, float):
             metrics[f"lw.{key}"] = value
-    reply = RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics),
-                        CLIENT_INFO_RECORD: where_this_runs(r.device_placement)})
+    reply = RecordDict(
+        {
+            "arrays": to_array_record(result.shared_state),
+            "metrics": MetricRecord(metrics),
+            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
+        }
+    )
     keep_client_state(msg, context, r.partition_id, result.client_state, reply)
     return Message(reply, reply_to=msg)

@@ -53,7 +53,7 @@ def physical_gpu_count(proc_gpus: Path = NVIDIA_PROC_GPUS, device_files: Path = 
     if entries:
         return len(entries)
     try:
-        return sum(1 for entry in device_files.glob("nvidia[0-9]*") if entry.name[len("nvidia"):].isdigit())
+        return sum(1 for entry in device_files.glob("nvidia[0-9]*") if entry.name[len("nvidia") :].isdigit())
     except OSError:
         return 0
 
@@ -80,15 +80,23 @@ def _gpus(n: int) -> str:
 SHARE_HINT = "client-resources-num-gpus=F makes Ray schedule the GPU (at most 1/F clients on one at once)"
 
 
-def decide_client_device(requested: str, *, cuda_visible_devices: str | None, in_ray_worker: bool,
-                         gpus_on_machine: int, cuda_available: bool, keep_ray_mask: bool = False,
-                         host: str | None = None) -> Placement:
+def decide_client_device(
+    requested: str,
+    *,
+    cuda_visible_devices: str | None,
+    in_ray_worker: bool,
+    gpus_on_machine: int,
+    cuda_available: bool,
+    keep_ray_mask: bool = False,
+    host: str | None = None,
+) -> Placement:
     """Where a client trains (the rules in the module's docstring). ``cuda_visible_devices``: the variable as the
     process was started with it (Ray's mask before ``unhide_gpus_hidden_by_ray`` removed it; None: unset);
     ``cuda_available``: what torch says now (after the unhiding); ``host`` names the machine in an error. Raises
     ``DevicePlacementError`` for ``cuda`` without a usable GPU."""
-    hidden = ray_hid_gpus(cuda_visible_devices=cuda_visible_devices, in_ray_worker=in_ray_worker,
-                          gpus_on_machine=gpus_on_machine)
+    hidden = ray_hid_gpus(
+        cuda_visible_devices=cuda_visible_devices, in_ray_worker=in_ray_worker, gpus_on_machine=gpus_on_machine
+    )
     unhide = hidden and not keep_ray_mask
     wants_cuda = requested == "cuda" or requested.startswith("cuda:")
     if requested == "cpu":
@@ -98,43 +106,59 @@ def decide_client_device(requested: str, *, cuda_visible_devices: str | None, in
     if cuda_available:
         device = requested if wants_cuda else "cuda"
         if unhide:
-            reason = ("Ray hid the GPU (0 GPUs per client); unhidden: shared by every client running at once; "
-                      + SHARE_HINT)
+            reason = (
+                "Ray hid the GPU (0 GPUs per client); unhidden: shared by every client running at once; " + SHARE_HINT
+            )
         elif in_ray_worker and cuda_visible_devices:
             reason = f"Ray assigned GPU {cuda_visible_devices} (client-resources-num-gpus)"
         else:
-            reason = "CUDA available" + (f" (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r})"
-                                         if cuda_visible_devices is not None else "")
+            reason = "CUDA available" + (
+                f" (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r})" if cuda_visible_devices is not None else ""
+            )
         return Placement(device, unhide, reason)
     # No usable GPU: why, in words.
     if hidden and keep_ray_mask:
-        why = (f"Ray hid the machine's {_gpus(gpus_on_machine)} (the federation asks 0 GPUs per client: "
-               f"CUDA_VISIBLE_DEVICES='') and {KEEP_RAY_GPU_MASK}=1 keeps them hidden; {SHARE_HINT}")
+        why = (
+            f"Ray hid the machine's {_gpus(gpus_on_machine)} (the federation asks 0 GPUs per client: "
+            f"CUDA_VISIBLE_DEVICES='') and {KEEP_RAY_GPU_MASK}=1 keeps them hidden; {SHARE_HINT}"
+        )
     elif hidden:
-        why = (f"Ray hid the machine's {_gpus(gpus_on_machine)} (0 GPUs per client) and unhiding failed: CUDA was "
-               f"initialised in this process before the ClientApp was imported, or torch has no CUDA; {SHARE_HINT}")
+        why = (
+            f"Ray hid the machine's {_gpus(gpus_on_machine)} (0 GPUs per client) and unhiding failed: CUDA was "
+            f"initialised in this process before the ClientApp was imported, or torch has no CUDA; {SHARE_HINT}"
+        )
     elif gpus_on_machine == 0:
         why = "no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus, no /dev/nvidia<N>)"
     elif cuda_visible_devices is not None:
-        why = (f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves torch no usable GPU of the machine's "
-               f"{_gpus(gpus_on_machine)}")
+        why = (
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} leaves torch no usable GPU of the machine's "
+            f"{_gpus(gpus_on_machine)}"
+        )
     else:
-        why = (f"the machine has {_gpus(gpus_on_machine)} but torch cannot use CUDA (a torch build without CUDA, or "
-               "a driver too old for it)")
+        why = (
+            f"the machine has {_gpus(gpus_on_machine)} but torch cannot use CUDA (a torch build without CUDA, or "
+            "a driver too old for it)"
+        )
     if wants_cuda:
-        raise DevicePlacementError(f"train.device: {requested} but this client cannot use a GPU on "
-                                   f"{host or platform.node()}: {why}; train.device: auto or cpu trains on the CPU")
+        raise DevicePlacementError(
+            f"train.device: {requested} but this client cannot use a GPU on "
+            f"{host or platform.node()}: {why}; train.device: auto or cpu trains on the CPU"
+        )
     return Placement("cpu", unhide, why)
 
 
-def unhide_gpus_hidden_by_ray(environ: MutableMapping[str, str] = os.environ,
-                              gpus_on_machine: int | None = None) -> bool:
+def unhide_gpus_hidden_by_ray(
+    environ: MutableMapping[str, str] = os.environ, gpus_on_machine: int | None = None
+) -> bool:
     """Remove Ray's empty CUDA_VISIBLE_DEVICES from ``environ`` (a simulated client given 0 GPUs on a GPU machine),
     unless ``FEDSSL_KEEP_RAY_GPU_MASK`` is set; True when it did. Must run before anything initialises CUDA in the
     process (CUDA reads the variable once): the ClientApp calls it first thing when it is imported."""
     gpus = physical_gpu_count() if gpus_on_machine is None else gpus_on_machine
-    if keeps_ray_gpu_mask(environ) or not ray_hid_gpus(cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
-                                                       in_ray_worker=in_ray_worker(environ), gpus_on_machine=gpus):
+    if keeps_ray_gpu_mask(environ) or not ray_hid_gpus(
+        cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        in_ray_worker=in_ray_worker(environ),
+        gpus_on_machine=gpus,
+    ):
         return False
     del environ["CUDA_VISIBLE_DEVICES"]
     return True

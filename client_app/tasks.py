@@ -84,16 +84,19 @@ class LocalRoundResult:
         return {k: v for k, v in self.client_state.items() if not k.startswith(META)}
 
 
-def local_images(cfg: ExperimentConfig, partition_id: int, data_path: str | None = None,
-                 scope: str = "partition") -> np.ndarray:
+def local_images(
+    cfg: ExperimentConfig, partition_id: int, data_path: str | None = None, scope: str = "partition"
+) -> np.ndarray:
     """This client's training images: its partition of the experiment's data set, or, when the node
     has its own data (``data-path`` in the node config), that file's whole training part. ``scope="union"``
     (the centralized reference, ``strategy: central``): the union of every client's partition."""
     if scope == "union":
         if data_path:
-            raise ValueError(f"strategy 'central' trains on the union of the experiment's partitions, but client "
-                             f"{partition_id}'s node trains on its own data file ({data_path}); run the "
-                             "centralized reference on a node without data-path")
+            raise ValueError(
+                f"strategy 'central' trains on the union of the experiment's partitions, but client "
+                f"{partition_id}'s node trains on its own data file ({data_path}); run the "
+                "centralized reference on a node without data-path"
+            )
         return union_images(cfg)
     if scope != "partition":
         raise ValueError(f"data-scope: must be 'partition' or 'union' (got {scope!r})")
@@ -140,8 +143,9 @@ def fedssl_download(method, global_state, client_state, server_round, options) -
     return {}
 
 
-def fedema_download(method, global_state, client_state, server_round, options,
-                    server_lambda: float | None = None) -> dict[str, Any]:
+def fedema_download(
+    method, global_state, client_state, server_round, options, server_lambda: float | None = None
+) -> dict[str, Any]:
     """FedEMA (Algorithm 1): W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1).
 
     A client seen for the first time, or not selected in the previous round, takes the global model for its
@@ -156,9 +160,14 @@ def fedema_download(method, global_state, client_state, server_round, options,
     """
     own = _model_entries(client_state)
     stored_lambda = _meta(client_state, "lambda")
-    info: dict[str, Any] = {"ema": False, "mu": None, "mu_predictor": None, "divergence": None,
-                            "lambda": server_lambda if server_lambda is not None else stored_lambda,
-                            "lambda_from_server": server_lambda is not None}
+    info: dict[str, Any] = {
+        "ema": False,
+        "mu": None,
+        "mu_predictor": None,
+        "divergence": None,
+        "lambda": server_lambda if server_lambda is not None else stored_lambda,
+        "lambda_from_server": server_lambda is not None,
+    }
     if own:
         load_partial_state(method, own)
     last = _meta(client_state, "last_round")
@@ -171,8 +180,9 @@ def fedema_download(method, global_state, client_state, server_round, options,
     d = d_paper if options["divergence"] == "paper" else _meta(client_state, "update_size", 0.0)
     lam = info["lambda"]
     if options["mu_mode"] == "autoscaler":
-        from_server = (options.get("lambda_from", "server_first_round") == "server_first_round"
-                       and server_lambda is not None)
+        from_server = (
+            options.get("lambda_from", "server_first_round") == "server_first_round" and server_lambda is not None
+        )
         lam = float(server_lambda) if from_server else stored_lambda
         if lam is None:  # once per client, at its first EMA update: its first mu is exactly tau
             lam = autoscaler_lambda(options["tau"], d)
@@ -204,8 +214,11 @@ def fedu_download(method, global_state, client_state, server_round, options) -> 
         load_partial_state(method, global_state)
         reset_target_from_online(method)
         return {"divergence": None, "predictor_updated": True, "reason": "first participation"}
-    d = (l2_divergence(global_state, own, ONLINE_ENCODER) if options["divergence"] == "paper"
-         else _meta(client_state, "update_size", 0.0))
+    d = (
+        l2_divergence(global_state, own, ONLINE_ENCODER)
+        if options["divergence"] == "paper"
+        else _meta(client_state, "update_size", 0.0)
+    )
     update_predictor = d < float(options["threshold"])
     incoming = {k: v for k, v in global_state.items() if update_predictor or not k.startswith(PREDICTOR)}
     load_partial_state(method, incoming)
@@ -288,8 +301,16 @@ def _write_cached_resources(path: Path | None, figures: dict[str, float]) -> Non
         pass  # a read-only or full disk: the figures were measured, only not kept
 
 
-def step_resources(method, *, optimizer: str, batch_size: int, sgd_momentum: float, device,
-                   image_shape: tuple[int, ...], context: str = "") -> dict[str, float]:
+def step_resources(
+    method,
+    *,
+    optimizer: str,
+    batch_size: int,
+    sgd_momentum: float,
+    device,
+    image_shape: tuple[int, ...],
+    context: str = "",
+) -> dict[str, float]:
     """Per-step resources of local training (docs/methods/lwfedssl.md, Resource accounting), on deep copies of ``method``: FLOPs per sample
     (image, both views) of one step (``flops_forward``, ``flops_backward``, ``flops_total`` and the forward / 2
     ``flops_fvcore_equivalent`` that the LW-FedSSL paper tabulates), counted on a batch of at most 8, and the analytic
@@ -299,18 +320,30 @@ def step_resources(method, *, optimizer: str, batch_size: int, sgd_momentum: flo
     (the caller's method and model settings: options such as a loss's symmetry change FLOPs, not shapes)."""
     structure = tuple((name, tuple(p.shape), p.requires_grad) for name, p in method.named_parameters())
     buffers = tuple((name, tuple(b.shape)) for name, b in method.named_buffers())
-    key = (type(method).__name__, structure, buffers, optimizer, int(batch_size), float(sgd_momentum), str(device),
-           tuple(image_shape), context)
+    key = (
+        type(method).__name__,
+        structure,
+        buffers,
+        optimizer,
+        int(batch_size),
+        float(sgd_momentum),
+        str(device),
+        tuple(image_shape),
+        context,
+    )
     if key not in _STEP_RESOURCES:
         cache = resource_cache_file(key)
         figures = _read_cached_resources(cache)
         if figures is None:
             flops = training_step_flops(method, image_shape, batch_size=max(2, min(int(batch_size), 8)), device=device)
-            memory = analytic_training_memory(method, optimizer, int(batch_size), view_shape=image_shape,
-                                              device=device, sgd_momentum=sgd_momentum)
+            memory = analytic_training_memory(
+                method, optimizer, int(batch_size), view_shape=image_shape, device=device, sgd_momentum=sgd_momentum
+            )
             figures = {
-                "flops_forward": float(flops["forward"]), "flops_backward": float(flops["backward"]),
-                "flops_total": float(flops["total"]), "flops_fvcore_equivalent": float(flops["fvcore_equivalent"]),
+                "flops_forward": float(flops["forward"]),
+                "flops_backward": float(flops["backward"]),
+                "flops_total": float(flops["total"]),
+                "flops_fvcore_equivalent": float(flops["fvcore_equivalent"]),
                 **{f"mem_{k}": float(v) for k, v in memory.items()},
             }
             _write_cached_resources(cache, figures)
@@ -335,12 +368,23 @@ def _with_stop_check(epoch_hook):
             raise RunStopped(f"the run was stopped ({reason}) before local epoch {epoch + 1}: training ends here")
         if epoch_hook is not None:
             epoch_hook(method, epoch)
+
     return hook
 
 
-def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: float, seed: int, device,
-                   loss_hook=None, epoch_hook=None, log: Callable[[str], None] | None = None,
-                   account: bool = True) -> TrainStats:
+def local_training(
+    cfg: ExperimentConfig,
+    method,
+    images: np.ndarray,
+    *,
+    lr: float,
+    seed: int,
+    device,
+    loss_hook=None,
+    epoch_hook=None,
+    log: Callable[[str], None] | None = None,
+    account: bool = True,
+) -> TrainStats:
     """``train_ssl`` with the experiment's local-training settings and augmentation recipe (``augment``).
 
     With ``account`` (every strategy but the layer-wise ones, which account their sub-models themselves) the
@@ -350,18 +394,40 @@ def local_training(cfg: ExperimentConfig, method, images: np.ndarray, *, lr: flo
     resources: dict[str, float] = {}
     if account:
         batch = max(2, min(t.batch_size, len(images)))
-        resources = step_resources(method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum,
-                                   device=device, image_shape=(3, *np.shape(images)[1:3]),
-                                   context=json.dumps({"method": cfg.method.name, "options": cfg.method.options,
-                                                       "model": [cfg.model.arch, cfg.model.width]},
-                                                      sort_keys=True, default=str))
+        resources = step_resources(
+            method,
+            optimizer=t.optimizer,
+            batch_size=batch,
+            sgd_momentum=t.momentum,
+            device=device,
+            image_shape=(3, *np.shape(images)[1:3]),
+            context=json.dumps(
+                {"method": cfg.method.name, "options": cfg.method.options, "model": [cfg.model.arch, cfg.model.width]},
+                sort_keys=True,
+                default=str,
+            ),
+        )
         rss_reset = reset_peak_rss()
-    stats = train_ssl(method, images, epochs=t.local_epochs, batch_size=t.batch_size, lr=lr, optimizer=t.optimizer,
-                      momentum=t.momentum, weight_decay=t.weight_decay, device=device, fast_path=t.fast_path,
-                      drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch, seed=seed,
-                      augment=build_augment(cfg, int(np.shape(images)[1])), loss_hook=loss_hook,
-                      epoch_hook=_with_stop_check(epoch_hook), log=log,
-                      compile_backend="inductor" if t.compile else None)
+    stats = train_ssl(
+        method,
+        images,
+        epochs=t.local_epochs,
+        batch_size=t.batch_size,
+        lr=lr,
+        optimizer=t.optimizer,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        device=device,
+        fast_path=t.fast_path,
+        drop_last=t.drop_last,
+        max_steps_per_epoch=t.max_steps_per_epoch,
+        seed=seed,
+        augment=build_augment(cfg, int(np.shape(images)[1])),
+        loss_hook=loss_hook,
+        epoch_hook=_with_stop_check(epoch_hook),
+        log=log,
+        compile_backend="inductor" if t.compile else None,
+    )
     if account:
         resources["images_trained"] = float(stats.steps * min(t.batch_size, len(images)))
         rss = process_peak_rss_bytes()
@@ -403,8 +469,7 @@ def train_local_ssl(
     if rule == "local" and not global_state and not _model_entries(client_state):
         # Local SSL with mixed encoders: the server sends its initial model only to clients of model.arch; the
         # others start from the seeded initial model of their own architecture.
-        global_state = state_to_numpy(split_state(initial_client_model(cfg, partition_id),
-                                                  method.shared_prefixes())[0])
+        global_state = state_to_numpy(split_state(initial_client_model(cfg, partition_id), method.shared_prefixes())[0])
     options = {**(rule_options or {}), "update_both": bool(update_both), "aggregate_target": bool(aggregate_target)}
     info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, options, **(rule_inputs or {}))
     method.on_new_global()
@@ -472,7 +537,8 @@ def similarity_round(
     if digest != public_digest:
         raise PublicSetMismatch(
             f"public set mismatch on client {partition_id}: its {len(public)} public images hash to {digest[:16]}, "
-            f"the server's to {public_digest[:16]}; both must load the same data file and config")
+            f"the server's to {public_digest[:16]}; both must load the same data file and config"
+        )
     seed = round_seed(cfg, server_round, partition_id)
     method = build_ssl_model(cfg, seed=seed, arch=cfg.client_arch(partition_id))
     own = _model_entries(client_state)
@@ -513,7 +579,8 @@ def check_public_set(public: np.ndarray, expected_digest: str, partition_id: int
     if digest != expected_digest:
         raise PublicSetMismatch(
             f"public set mismatch on client {partition_id}: its {len(public)} {what} images hash to {digest[:16]}, "
-            f"the server's to {expected_digest[:16]}; both must load the same data file and config")
+            f"the server's to {expected_digest[:16]}; both must load the same data file and config"
+        )
 
 
 def _client_model(cfg: ExperimentConfig, partition_id: int, client_state: Mapping[str, np.ndarray] | None):
@@ -527,8 +594,14 @@ def _client_model(cfg: ExperimentConfig, partition_id: int, client_state: Mappin
 
 def _rad_kernel(method, rad: np.ndarray, options: Mapping[str, Any], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(RAD representations, the client's raw kernel of them) with the strategy's options."""
-    features = rad_representations(method, rad, str(options["representation"]), device=device,
-                                   batch_size=int(options["rad_forward_batch"]), bn_mode=str(options["bn_mode"]))
+    features = rad_representations(
+        method,
+        rad,
+        str(options["representation"]),
+        device=device,
+        batch_size=int(options["rad_forward_batch"]),
+        bn_mode=str(options["bn_mode"]),
+    )
     return features, client_kernel(features, str(options["kernel"]), float(options["rbf_threshold"]))
 
 
@@ -539,8 +612,10 @@ def rad_precision(cfg: ExperimentConfig, options: Mapping[str, Any], device) -> 
     if str(options.get("rad_precision", "train")) == "fp32":
         return {"forward_dtype": None, "channels_last": False}
     fp = fast_path_for(torch.device(device), cfg.train.fast_path)
-    return {"forward_dtype": torch.bfloat16 if fp.autocast_dtype == torch.bfloat16 else None,
-            "channels_last": fp.channels_last}
+    return {
+        "forward_dtype": torch.bfloat16 if fp.autocast_dtype == torch.bfloat16 else None,
+        "channels_last": fp.channels_last,
+    }
 
 
 def _kernel_payload(kernel: torch.Tensor, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
@@ -563,8 +638,15 @@ def _rad_pass_flops(method, representation: str, image_shape: tuple[int, ...]) -
     return _RAD_PASS_FLOPS[key]
 
 
-def initial_kernel(cfg: ExperimentConfig, rad: np.ndarray, client_state: Mapping[str, np.ndarray] | None, *,
-                   partition_id: int, rad_digest: str, options: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], float]:
+def initial_kernel(
+    cfg: ExperimentConfig,
+    rad: np.ndarray,
+    client_state: Mapping[str, np.ndarray] | None,
+    *,
+    partition_id: int,
+    rad_digest: str,
+    options: Mapping[str, Any],
+) -> tuple[dict[str, np.ndarray], float]:
     """Hetero-SSFL's K_k(0) (Algorithm 1 forms K_bar(0) from the initial models before round 1): the kernel of the
     client's current model (its initial one when it has no state) on the RAD, in transport form, and its raw
     ``||H K H||_F``. Nothing trains and nothing is kept."""
@@ -612,14 +694,32 @@ def kernel_round(
         del start_kernel
         if float(options["mu"]) > 0:
             aligner = KernelAligner(
-                rad, target, mu=float(options["mu"]), representation=str(options["representation"]),
-                kernel=str(options["kernel"]), rbf_threshold=float(options["rbf_threshold"]),
-                refresh=str(options["refresh"]), refresh_steps=int(options["refresh_steps"]),
-                rad_batch_size=int(options["rad_batch_size"]), forward_batch_size=int(options["rad_forward_batch"]),
-                bn_mode=str(options["bn_mode"]), **rad_precision(cfg, options, device), device=device, seed=seed)
-    stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
-                           loss_hook=aligner.loss if aligner else None,
-                           epoch_hook=aligner.on_epoch_start if aligner else None, log=log)
+                rad,
+                target,
+                mu=float(options["mu"]),
+                representation=str(options["representation"]),
+                kernel=str(options["kernel"]),
+                rbf_threshold=float(options["rbf_threshold"]),
+                refresh=str(options["refresh"]),
+                refresh_steps=int(options["refresh_steps"]),
+                rad_batch_size=int(options["rad_batch_size"]),
+                forward_batch_size=int(options["rad_forward_batch"]),
+                bn_mode=str(options["bn_mode"]),
+                **rad_precision(cfg, options, device),
+                device=device,
+                seed=seed,
+            )
+    stats = local_training(
+        cfg,
+        method,
+        images,
+        lr=lr,
+        seed=seed,
+        device=device,
+        loss_hook=aligner.loss if aligner else None,
+        epoch_hook=aligner.on_epoch_start if aligner else None,
+        log=log,
+    )
     _, k = _rad_kernel(method, rad, options, device)
     if target is not None:
         info["cka_end"] = kernel_cka(k, target)
@@ -682,37 +782,62 @@ def layerwise_round(
     merged.update(global_state)
     missing = [k for k in online_keys if k not in merged]
     if missing:
-        raise RuntimeError(f"client {partition_id}: the stage-{stage} sub-model lacks {len(missing)} entries "
-                           f"({', '.join(missing[:3])}...): neither the download nor this client's stored state holds "
-                           "them (state lost?); the server sends the whole sub-model next round")
+        raise RuntimeError(
+            f"client {partition_id}: the stage-{stage} sub-model lacks {len(missing)} entries "
+            f"({', '.join(missing[:3])}...): neither the download nor this client's stored state holds "
+            "them (state lost?); the server sends the whole sub-model next round"
+        )
     load_partial_state(method, merged)
     reset_target_from_online(method)
     if str(plan.get("client-target", "reset")) == "keep":
-        kept_target = {k: v for k, v in own.items() if k.startswith(TARGET_PREFIXES) and k in model_state
-                       and tuple(np.shape(v)) == tuple(model_state[k].shape)}
+        kept_target = {
+            k: v
+            for k, v in own.items()
+            if k.startswith(TARGET_PREFIXES) and k in model_state and tuple(np.shape(v)) == tuple(model_state[k].shape)
+        }
         load_partial_state(method, kept_target)
     method.on_new_global()
     configure_local_model(method, mode, float(plan.get("depth-dropout", 0.0)), dropout_seed=seed)
     if hasattr(method, "set_progress_range"):
         method.set_progress_range(float(plan.get("progress-start", 0.0)), float(plan.get("progress-end", 1.0)))
     alpha = float(plan.get("alpha", 0.0))
-    aligner = (RepresentationAligner(method.backbone, alpha, float(plan.get("align-temperature", 0.2)),
-                                     symmetric=bool(plan.get("align-symmetric", True))) if alpha > 0 else None)
+    aligner = (
+        RepresentationAligner(
+            method.backbone,
+            alpha,
+            float(plan.get("align-temperature", 0.2)),
+            symmetric=bool(plan.get("align-symmetric", True)),
+        )
+        if alpha > 0
+        else None
+    )
     device = resolve_device(cfg.train.device)
     t = cfg.train
     batch = max(2, min(t.batch_size, len(images)))
     info: dict[str, Any] = {"stage": stage}
     if bool(plan.get("accounting", True)):
-        info.update(resource_account(method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum,
-                                     device=device, aligner=aligner))
+        info.update(
+            resource_account(
+                method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum, device=device, aligner=aligner
+            )
+        )
     rss_reset = reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if aligner is not None:
         aligner.attach(method)
     try:
-        stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device,
-                               loss_hook=aligner.loss if aligner else None, log=log, account=False)
+        stats = local_training(
+            cfg,
+            method,
+            images,
+            lr=lr,
+            seed=seed,
+            device=device,
+            loss_hook=aligner.loss if aligner else None,
+            log=log,
+            account=False,
+        )
     finally:
         if aligner is not None:
             aligner.detach()

@@ -33,8 +33,13 @@ PROCESS_STARTED_AT = process_start_time()
 def timeline_metrics(sent_at: float, handler_started_at: float, app_imported_at: float) -> dict[str, float]:
     """The ``t.*`` metrics of one reply: the server's message creation (``sent_at``, its metadata's created_at,
     server clock), this process's start, the app's imports, the handler's start and now (the reply is ready)."""
-    out = {"t.sent": float(sent_at), "t.import_start": IMPORT_STARTED_AT, "t.app_imported": float(app_imported_at),
-           "t.handler_start": float(handler_started_at), "t.reply_ready": time.time()}
+    out = {
+        "t.sent": float(sent_at),
+        "t.import_start": IMPORT_STARTED_AT,
+        "t.app_imported": float(app_imported_at),
+        "t.handler_start": float(handler_started_at),
+        "t.reply_ready": time.time(),
+    }
     if PROCESS_STARTED_AT is not None:
         out["t.process_start"] = PROCESS_STARTED_AT
     return out

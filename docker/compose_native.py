@@ -35,8 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKER_DIR = REPO / "docker"
 CONTAINER_WORKDIR = "/app"  # WORKDIR of Flower's images
 # The program each official image runs (their ENTRYPOINTs).
-IMAGE_PROGRAMS = {"flwr/superlink": "flower-superlink", "flwr/supernode": "flower-supernode",
-                  "flwr/superexec": "flower-superexec"}
+IMAGE_PROGRAMS = {
+    "flwr/superlink": "flower-superlink",
+    "flwr/supernode": "flower-supernode",
+    "flwr/superexec": "flower-superexec",
+}
 
 
 class ComposeError(ValueError):
@@ -135,7 +138,7 @@ class Compose:
             entry = [line for line in dockerfile.read_text().splitlines() if line.startswith("ENTRYPOINT")]
             if not entry:
                 raise ComposeError(f"{service}: {dockerfile.name} has no ENTRYPOINT")
-            return json.loads(entry[-1][len("ENTRYPOINT"):])
+            return json.loads(entry[-1][len("ENTRYPOINT") :])
         image = str(spec.get("image", "")).split(":")[0]
         if image not in IMAGE_PROGRAMS:
             raise ComposeError(f"{service}: image {spec.get('image')!r} is not one of {sorted(IMAGE_PROGRAMS)}")
@@ -219,8 +222,10 @@ class NativeMachine:
         for service in self.compose.services:
             for host, target, _mode in self.compose.volumes(service):
                 if target in self.mounts and self.mounts[target] != host:
-                    raise ComposeError(f"{service}: {target} is mounted from two host folders "
-                                       f"({self.mounts[target]} and {host}) on one machine")
+                    raise ComposeError(
+                        f"{service}: {target} is mounted from two host folders "
+                        f"({self.mounts[target]} and {host}) on one machine"
+                    )
                 self.mounts[target] = host
         for target, host in self.mounts.items():
             if not host.is_file():  # a single secret file may be mounted on its own
@@ -243,8 +248,9 @@ class NativeMachine:
         argv = [str(exe) if exe.exists() else program[0]] + program[1:]
         return argv + [_translate(a, mounts) for a in self.compose.command(service)]
 
-    def start(self, service: str, log_dir: Path, extra_env: Mapping[str, str] | None = None,
-              log_name: str | None = None) -> NativeService:
+    def start(
+        self, service: str, log_dir: Path, extra_env: Mapping[str, str] | None = None, log_name: str | None = None
+    ) -> NativeService:
         spec = self.compose.services[service]
         env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
         env["FLWR_HOME"] = str(self.root / "flwr-home" / service)  # each container has its own
@@ -258,8 +264,15 @@ class NativeMachine:
         log_path = log_dir / (log_name or f"{service}.log")
         cwd = self.native_path(CONTAINER_WORKDIR)
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         native = NativeService(service, argv, cwd, log_path, env, proc)
         self.services[service] = native
         return native
@@ -304,7 +317,11 @@ def write_own_data(path: Path, num_train: int) -> Path:
     """A client site's own small data file (random images; only the training part is used)."""
     rng = np.random.default_rng(0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
-             y_train=rng.integers(0, 10, num_train), x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
-             y_test=rng.integers(0, 10, 20))
+    np.savez(
+        path,
+        x_train=rng.integers(0, 256, (num_train, 32, 32, 3), dtype=np.uint8),
+        y_train=rng.integers(0, 10, num_train),
+        x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 20),
+    )
     return path

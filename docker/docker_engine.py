@@ -40,8 +40,12 @@ DEBIAN_IMAGE = "fedssl-standin/debian:bookworm"
 APP_IMAGE = "fedssl-app"
 WHEEL_PORT = 48741
 CACHE = Path(os.environ.get("FEDSSL_DOCKER_CACHE", Path.home() / ".cache" / "fedssl-docker"))
-ENV = {**os.environ, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0",
-       "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+ENV = {
+    **os.environ,
+    "DOCKER_BUILDKIT": "0",
+    "COMPOSE_DOCKER_CLI_BUILD": "0",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
 
 
 def flwr_version() -> str:
@@ -64,25 +68,47 @@ def app_requirements() -> list[str]:
     return [d for d in deps if name(d) not in {"flwr", "torch", "torchvision"}]
 
 
-def sh(*argv: str, timeout: float = 600, check: bool = True, input: str | None = None,
-       cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
-                          cwd=cwd, env=env or ENV, stdin=None if input is not None else subprocess.DEVNULL, check=False)
+def sh(
+    *argv: str,
+    timeout: float = 600,
+    check: bool = True,
+    input: str | None = None,
+    cwd: Path | None = None,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        list(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+        cwd=cwd,
+        env=env or ENV,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        check=False,
+    )
     if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:6])} ... failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(argv[:6])} ... failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
     return proc
 
 
 def compose_command() -> list[str] | None:
     """``docker compose`` (v2 plugin) when the CLI has it, else Compose v1's ``docker-compose``."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True, check=False).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True, check=False).returncode == 0
+    ):
         return ["docker", "compose"]
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
 def engine_running() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], capture_output=True, timeout=60, check=False).returncode == 0
+    return (
+        shutil.which("docker") is not None
+        and subprocess.run(["docker", "info"], capture_output=True, timeout=60, check=False).returncode == 0
+    )
 
 
 def engine_unavailable() -> str | None:
@@ -113,9 +139,12 @@ class Engine:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                ["dockerd", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
-                 "--storage-driver=overlay2"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                ["dockerd", "--iptables=false", "--ip-masq=false", "--ip-forward=false", "--storage-driver=overlay2"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 60
         while not engine_running():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -175,8 +204,13 @@ def local_cpu_torch(wheels: Path) -> str | None:
     """The version of a CPU-only torch wheel among pip's local wheel folders (its find-links), if any."""
     tmp = wheels / "probe"
     shutil.rmtree(tmp, ignore_errors=True)
-    proc = subprocess.run(["python3", "-m", "pip", "download", "-q", "--no-deps", "--no-index", "-d", str(tmp),
-                           "torch"], capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        ["python3", "-m", "pip", "download", "-q", "--no-deps", "--no-index", "-d", str(tmp), "torch"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     found = [p.name for p in tmp.glob("torch-*.whl")] if proc.returncode == 0 else []
     shutil.rmtree(tmp, ignore_errors=True)
     match = re.match(r"torch-([^-]+\+cpu)-", found[0]) if found else None
@@ -232,12 +266,18 @@ def ensure_images(version: str | None = None, rebuild_app: bool = False) -> Imag
         standin = any(STANDIN_LABEL in ((i.get("Config") or {}).get("Labels") or {}) for i in infos)
         out.flwr = "stand-in (built earlier, reused)" if standin else "official (present)"
     else:
-        pulled = all(subprocess.run(["docker", "pull", ref], capture_output=True, timeout=600, env=ENV, check=False).returncode == 0
-                     for ref in official)
+        pulled = all(
+            subprocess.run(["docker", "pull", ref], capture_output=True, timeout=600, env=ENV, check=False).returncode
+            == 0
+            for ref in official
+        )
         out.flwr = "official (pulled)" if pulled else "stand-in"
     cpu_torch = local_cpu_torch(wheels)
-    out.torch = f"torch {cpu_torch} (a CPU wheel among pip's local wheels)" if cpu_torch else \
-        "torch from the package index (the CUDA build on Linux x86_64)"
+    out.torch = (
+        f"torch {cpu_torch} (a CPU wheel among pip's local wheels)"
+        if cpu_torch
+        else "torch from the package index (the CUDA build on Linux x86_64)"
+    )
     torch_req = f"torch=={cpu_torch}" if cpu_torch else "torch"
     t0 = time.monotonic()
     download_wheels(wheels, f"flwr=={version}", torch_req, "torchvision", *app_requirements())
@@ -249,16 +289,35 @@ def ensure_images(version: str | None = None, rebuild_app: bool = False) -> Imag
                 out.timings_s["debian rootfs (debootstrap + docker import)"] = _debian_image()
             t0 = time.monotonic()
             for name in FLWR_IMAGES:
-                build(f"flwr/{name}:{version}", "--target", name, "--build-arg", f"FLWR_VERSION={version}",
-                      "--build-arg", f"PIP_ARGS={pip_args}", "-",
-                      input=(DOCKER_DIR / "standin" / "Dockerfile").read_text(), timeout=1800)
+                build(
+                    f"flwr/{name}:{version}",
+                    "--target",
+                    name,
+                    "--build-arg",
+                    f"FLWR_VERSION={version}",
+                    "--build-arg",
+                    f"PIP_ARGS={pip_args}",
+                    "-",
+                    input=(DOCKER_DIR / "standin" / "Dockerfile").read_text(),
+                    timeout=1800,
+                )
             out.timings_s["stand-in Flower images"] = time.monotonic() - t0
         app = f"{APP_IMAGE}:{version}"
         t0 = time.monotonic()
         # docker/app.Dockerfile unchanged; pip reaches only the wheel folder (with a CPU torch when there is one).
-        build(app, "-f", "docker/app.Dockerfile", *(["--no-cache"] if rebuild_app else []),
-              "--build-arg", f"FLWR_VERSION={version}", "--build-arg", f"PIP_ARGS={pip_args}", ".",
-              cwd=REPO, timeout=3600)
+        build(
+            app,
+            "-f",
+            "docker/app.Dockerfile",
+            *(["--no-cache"] if rebuild_app else []),
+            "--build-arg",
+            f"FLWR_VERSION={version}",
+            "--build-arg",
+            f"PIP_ARGS={pip_args}",
+            ".",
+            cwd=REPO,
+            timeout=3600,
+        )
         out.timings_s["app image" + (" (no cache)" if rebuild_app else "")] = time.monotonic() - t0
     out.app = app
     for ref in [*official, app]:
@@ -274,14 +333,23 @@ def _debian_image() -> float:
     t0 = time.monotonic()
     root = CACHE / "rootfs"
     shutil.rmtree(root, ignore_errors=True)
-    sh("debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", str(root), apt_mirror(),
-       timeout=1800)
+    sh(
+        "debootstrap",
+        "--variant=minbase",
+        "--include=python3,python3-venv",
+        "bookworm",
+        str(root),
+        apt_mirror(),
+        timeout=1800,
+    )
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         for p in (root / junk).glob("*"):
             if p.is_file():
                 p.unlink()
     tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    imp = subprocess.run(["docker", "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, env=ENV, check=False)
+    imp = subprocess.run(
+        ["docker", "import", "-", DEBIAN_IMAGE], stdin=tar.stdout, capture_output=True, env=ENV, check=False
+    )
     tar.wait()
     shutil.rmtree(root, ignore_errors=True)
     if imp.returncode != 0:
@@ -333,7 +401,9 @@ APP_UID = 49999  # the images' `app` user
 
 
 def script(name: str, *args) -> None:
-    proc = subprocess.run(["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"docker/{name} failed: {proc.stderr}")
 
@@ -357,16 +427,31 @@ class Cli:
 
         self.home, self.name = home, name
         home.mkdir(parents=True, exist_ok=True)
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
-                                          f'address = "{address}"\nroot-certificates = "{ca}"\n')
-        self.env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                    "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
+            f'address = "{address}"\nroot-certificates = "{ca}"\n'
+        )
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+        }
         exe = Path(sys.executable).parent / "flwr"
         self.exe = str(exe) if exe.exists() else "flwr"
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([self.exe, *args], capture_output=True, text=True, timeout=timeout, env=self.env,
-                              cwd=REPO, stdin=subprocess.DEVNULL, check=False)
+        return subprocess.run(
+            [self.exe, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
 
     def register(self, pub: Path, wait_s: float = 120) -> None:
         deadline = time.monotonic() + wait_s
@@ -380,9 +465,15 @@ class Cli:
 
     def run(self, run_config: str, log: Path) -> subprocess.Popen:
         out = open(log, "w")  # noqa: SIM115 - the child process's output: open as long as it runs
-        return subprocess.Popen([self.exe, "run", str(REPO), self.name, "--stream", "--run-config", run_config],
-                                cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [self.exe, "run", str(REPO), self.name, "--stream", "--run-config", run_config],
+            cwd=REPO,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 class OneHost:
@@ -397,9 +488,12 @@ class OneHost:
         self.data = self.root / "data"
         self.outputs, self.state = self.root / "outputs", docker / "state"
         self.client_state = [docker / "client-state" / str(n) for n in (1, 2)]
-        self.project = Project(name, [docker / "compose.yml", docker / "compose.tls.yml"],
-                               {"SUPERLINK_PORT": str(port), "FLWR_VERSION": flwr_version(),
-                                "OMP_NUM_THREADS": str(threads)}, cwd=self.root)
+        self.project = Project(
+            name,
+            [docker / "compose.yml", docker / "compose.tls.yml"],
+            {"SUPERLINK_PORT": str(port), "FLWR_VERSION": flwr_version(), "OMP_NUM_THREADS": str(threads)},
+            cwd=self.root,
+        )
         self.cli = Cli(folder / "cli", "local-docker-tls", f"127.0.0.1:{port}", self.secrets / "ca.crt")
         self.data_file = data_file
 
@@ -414,9 +508,14 @@ class OneHost:
             shutil.copy(self.data_file, self.data / "cifar10.npz")
         for d in (self.outputs, self.state, *self.client_state):
             d.mkdir(parents=True)
-        chown_app(self.outputs, self.state, *self.client_state, self.secrets / "server.key",
-                  self.secrets / "superexec.secret",
-                  *(self.secrets / f"supernode-{n}" / f for n in (1, 2) for f in ("supernode.key", "superexec.secret")))
+        chown_app(
+            self.outputs,
+            self.state,
+            *self.client_state,
+            self.secrets / "server.key",
+            self.secrets / "superexec.secret",
+            *(self.secrets / f"supernode-{n}" / f for n in (1, 2) for f in ("supernode.key", "superexec.secret")),
+        )
         self.project.up("superlink", "superexec-serverapp")
         for n in (1, 2):
             self.cli.register(self.secrets / f"supernode-{n}" / "supernode.key.pub")
@@ -439,8 +538,18 @@ def main() -> int:
         if engine.started_here:
             print("stopping the dockerd started for the build")
         engine.stop()
-    print(json.dumps({"flwr images": images.flwr, "app": images.app, "torch": images.torch,
-                      "sizes_mb": images.sizes_mb, "build_s": images.timings_s}, indent=2))
+    print(
+        json.dumps(
+            {
+                "flwr images": images.flwr,
+                "app": images.app,
+                "torch": images.torch,
+                "sizes_mb": images.sizes_mb,
+                "build_s": images.timings_s,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -69,6 +69,7 @@ def named_comment(lines: list[str], comments: dict[int, str], name: str, names) 
     """The comment-only lines ``# name: meaning`` (and the comment-only lines that continue it, up to one that
     starts another ``<one of names>:``): how an option is documented where several share one line of code
     (``return {"a": 1, "b": 2}``)."""
+
     def starts_entry(n: int, which) -> str | None:
         head = comments[n].split(":", 1)
         return head[1].strip() if len(head) == 2 and head[0].strip() in which else None
@@ -178,11 +179,12 @@ def option_rows(cls: type, what: str, missing: list[str]) -> list[str]:
                 name, (first, last) = key.value, spans[i]
                 declared.setdefault(name, depth)
                 # another option on the same line(s) (a ``**super()...`` spread does not count)?
-                alone = not any(a <= last and first <= b for j, (a, b) in enumerate(spans)
-                                if j != i and node.keys[j] is not None)
+                alone = not any(
+                    a <= last and first <= b for j, (a, b) in enumerate(spans) if j != i and node.keys[j] is not None
+                )
                 meaning = meaning_at(lines, comments, first, last) if alone else ""
                 if meaning.startswith(f"{name}:"):  # a block above written as ``# name: meaning``
-                    meaning = meaning[len(name) + 1:].strip()
+                    meaning = meaning[len(name) + 1 :].strip()
                 documented[name] = meaning or named_comment(lines, comments, name, set(defaults))
     rows = []
     for name in sorted(defaults, key=lambda n: declared.get(n, len(cls.__mro__))):
@@ -199,22 +201,40 @@ def generate() -> str:
     from strategies import STRATEGIES
 
     missing: list[str] = []
-    out = ["# Configuration reference", "",
-           ("Generated from the code by `python docs/gen_reference.py` (`ssl_models/config.py` for the experiment, "
-           "each method's and strategy's `default_options` for their options); edit the code's comments, not this "
-           "page. Every key can be set in the YAML file, from a study's variant, or from the run config "
-           "(`--run-config \"train.lr=0.1 strategy.options.mu=0.1\"`); lists only in YAML. "
-           "See [running experiments](../running.md) for how configs compose."), ""]
+    out = [
+        "# Configuration reference",
+        "",
+        (
+            "Generated from the code by `python docs/gen_reference.py` (`ssl_models/config.py` for the experiment, "
+            "each method's and strategy's `default_options` for their options); edit the code's comments, not this "
+            "page. Every key can be set in the YAML file, from a study's variant, or from the run config "
+            '(`--run-config "train.lr=0.1 strategy.options.mu=0.1"`); lists only in YAML. '
+            "See [running experiments](../running.md) for how configs compose."
+        ),
+        "",
+    ]
     for title, lines in config_rows(ExperimentConfig, "", missing):
         out += [f"## `{title}`" if title != "top level" else "## Top level", "", *lines, ""]
     out += ["## Method options (`method.options`)", ""]
     for name, cls in sorted(METHODS.items()):
-        out += [f"### `{name}`", "", "| option | default | meaning |", "|---|---|---|",
-                *option_rows(cls, f"method.options ({name})", missing), ""]
+        out += [
+            f"### `{name}`",
+            "",
+            "| option | default | meaning |",
+            "|---|---|---|",
+            *option_rows(cls, f"method.options ({name})", missing),
+            "",
+        ]
     out += ["## Strategy options (`strategy.options`)", ""]
     for name, cls in sorted(STRATEGIES.items()):
-        out += [f"### `{name}`", "", "| option | default | meaning |", "|---|---|---|",
-                *option_rows(cls, f"strategy.options ({name})", missing), ""]
+        out += [
+            f"### `{name}`",
+            "",
+            "| option | default | meaning |",
+            "|---|---|---|",
+            *option_rows(cls, f"strategy.options ({name})", missing),
+            "",
+        ]
     if missing:
         raise Undocumented("no comment documents: " + ", ".join(missing))
     return "\n".join(out).rstrip() + "\n"

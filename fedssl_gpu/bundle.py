@@ -54,9 +54,16 @@ ROOT_REQUIREMENTS_DEFAULT = ("flwr",)
 # uv (18 MB) serves Flower's runtime dependency installation, which the campaign turns off
 # (FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1, --disable-runtime-dependency-installation).
 SKIP_DEFAULT = ("uv",)
-MANYLINUX_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-                       "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64",
-                       "linux_x86_64")
+MANYLINUX_PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_5_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+)
 
 
 class BundleError(RuntimeError):
@@ -118,8 +125,16 @@ def pip_download(requirements: list[str], python: str, dest: Path, log=print) ->
     x86-64 Linux; files already in ``dest`` are kept (the cache). For this interpreter's own version no platform
     is forced (what pip would install here)."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
-           "--dest", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+    ]
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if python != here:
         abi = "cp" + python.replace(".", "")
@@ -130,21 +145,37 @@ def pip_download(requirements: list[str], python: str, dest: Path, log=print) ->
     log(f"pip download for Python {python}: {' '.join(requirements)}")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        said = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                         if not line.startswith("WARNING: Location"))
-        raise BundleError(f"pip download failed (exit {proc.returncode}); the package index is needed to build "
-                          f"a bundle:\n{said[-2000:]}")
+        said = "\n".join(
+            line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("WARNING: Location")
+        )
+        raise BundleError(
+            f"pip download failed (exit {proc.returncode}); the package index is needed to build "
+            f"a bundle:\n{said[-2000:]}"
+        )
 
 
 def marker_environment(python: str) -> dict[str, str]:
     """PEP 508 marker values of the target: CPython ``python`` on x86-64 Linux."""
-    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-            "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
-            "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    return {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "os_name": "posix",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
 
 
-def select_wheels(wheels: list[Wheel], roots: list[str], have: dict[str, str | None], python: str,
-                  skip: tuple[str, ...] = SKIP_DEFAULT) -> tuple[list[Wheel], list[str]]:
+def select_wheels(
+    wheels: list[Wheel],
+    roots: list[str],
+    have: dict[str, str | None],
+    python: str,
+    skip: tuple[str, ...] = SKIP_DEFAULT,
+) -> tuple[list[Wheel], list[str]]:
     """The wheels the target lacks: walk the requirements from ``roots``; a requirement the target satisfies
     (``have``) ends the walk there (its own dependencies are installed on the target with it), anything else is
     carried and its requirements walked in turn. Returns (wheels to carry, notes on what was decided and why)."""
@@ -185,12 +216,18 @@ def code_files(repo: Path = REPO) -> list[str]:
     file under it but caches and the results; never ``CODE_EXCLUDES``."""
     try:
         # tracked files and new ones git does not ignore: the working tree as it is, not only what is committed
-        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        ).stdout
         names = [n for n in out.decode().split("\0") if n]
     except (OSError, subprocess.CalledProcessError):
-        names = [str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()
-                 and not any(part in {".git", "__pycache__", ".pytest_cache", "outputs"} for part in p.parts)]
+        names = [
+            str(p.relative_to(repo))
+            for p in repo.rglob("*")
+            if p.is_file() and not any(part in {".git", "__pycache__", ".pytest_cache", "outputs"} for part in p.parts)
+        ]
     return sorted(n for n in names if not n.startswith(CODE_EXCLUDES) and (repo / n).is_file())
 
 
@@ -200,7 +237,9 @@ def pack_code(dest: Path, repo: Path = REPO) -> Path:
     with tarfile.open(dest, "w:gz", compresslevel=9) as tar:
         for name in code_files(repo):
             tar.add(repo / name, arcname=name, recursive=False)
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        )
         if commit.returncode == 0:  # which code this is, readable without git on the target
             data = (commit.stdout.strip() + "\n").encode()
             info = tarfile.TarInfo("CODE_COMMIT")
@@ -229,20 +268,39 @@ def part_table(out: Path, code_bytes: int, limit_bytes: int) -> tuple[list[dict]
         size = folder_bytes(part)
         # Part 1 holds the code archive; a later part travels with the code beside it.
         with_code = size if (part / APP_ARCHIVE).exists() else size + code_bytes
-        rows.append({"part": part.name, "bytes": size, "bytes_with_code": with_code,
-                     "over_limit": with_code > limit_bytes,
-                     "files": sorted(str(p.relative_to(part)) for p in part.rglob("*") if p.is_file())})
+        rows.append(
+            {
+                "part": part.name,
+                "bytes": size,
+                "bytes_with_code": with_code,
+                "over_limit": with_code > limit_bytes,
+                "files": sorted(str(p.relative_to(part)) for p in part.rglob("*") if p.is_file()),
+            }
+        )
     lines = [f"{'part':<8} {'MiB':>7} {'with code':>10}  {'limit':>6}  contents"]
     for r in rows:
         kinds = sorted({f.split("/", 1)[0] for f in r["files"]})
-        lines.append(f"{r['part']:<8} {r['bytes'] / MIB:7.1f} {r['bytes_with_code'] / MIB:10.1f}  "
-                     f"{limit_bytes / MIB:6.0f}  {', '.join(kinds)}{'   OVER THE LIMIT' if r['over_limit'] else ''}")
+        lines.append(
+            f"{r['part']:<8} {r['bytes'] / MIB:7.1f} {r['bytes_with_code'] / MIB:10.1f}  "
+            f"{limit_bytes / MIB:6.0f}  {', '.join(kinds)}{'   OVER THE LIMIT' if r['over_limit'] else ''}"
+        )
     return rows, "\n".join(lines)
 
 
-def build(out: Path, *, python: str, have: dict[str, str | None], data: Path | None, limit_bytes: int,
-          cache: Path, encoding: str | None = None, subset_per_class: int | None = None,
-          roots: list[str] | None = None, skip: tuple[str, ...] = SKIP_DEFAULT, log=print) -> dict:
+def build(
+    out: Path,
+    *,
+    python: str,
+    have: dict[str, str | None],
+    data: Path | None,
+    limit_bytes: int,
+    cache: Path,
+    encoding: str | None = None,
+    subset_per_class: int | None = None,
+    roots: list[str] | None = None,
+    skip: tuple[str, ...] = SKIP_DEFAULT,
+    log=print,
+) -> dict:
     """Make the bundle in ``out`` (emptied first) and return its manifest; BundleError when a part is over the
     limit (the bundle is left on disk for a look, its manifest marks it refused)."""
     roots = roots or [flwr_requirement()]
@@ -272,8 +330,10 @@ def build(out: Path, *, python: str, have: dict[str, str | None], data: Path | N
         # Every data part has to fit beside what its transfer carries besides: the code and (part 1) the wheels.
         room = limit_bytes - fixed - 64 * 1024  # and the manifest
         if room <= 0:
-            raise BundleError(f"part-1: code and wheels alone take {fixed / MIB:.1f} MiB, over the "
-                              f"{limit_bytes / MIB:.0f} MiB limit: no room for data")
+            raise BundleError(
+                f"part-1: code and wheels alone take {fixed / MIB:.1f} MiB, over the "
+                f"{limit_bytes / MIB:.0f} MiB limit: no room for data"
+            )
         from . import datapack
 
         staging = out / ".data"
@@ -295,8 +355,16 @@ def build(out: Path, *, python: str, have: dict[str, str | None], data: Path | N
         "have": {k: v for k, v in sorted(have.items())},
         "skipped": list(skip),
         "notes": notes,
-        "wheels": [{"file": w.path.name, "name": w.name, "version": w.version, "bytes": w.size,
-                    "sha256": sha256(part1 / "wheels" / w.path.name)} for w in wheels],
+        "wheels": [
+            {
+                "file": w.path.name,
+                "name": w.name,
+                "version": w.version,
+                "bytes": w.size,
+                "sha256": sha256(part1 / "wheels" / w.path.name),
+            }
+            for w in wheels
+        ],
         "code": {"file": APP_ARCHIVE, "bytes": code_bytes, "sha256": sha256(code)},
         "data": {"parts": [str(p.relative_to(out)) for p in data_parts], "manifest": data_manifest},
         "limit_bytes": limit_bytes,
@@ -320,49 +388,92 @@ def report_markdown(manifest: dict, argv: list[str]) -> str:
     """The bundle as a person reads it: when, for which Python and target, each part's size, the wheels, the data."""
     # Paths of the building machine stay out of a published report: file names only.
     shown = [Path(a).name if Path(a).is_absolute() else a for a in argv]
-    lines = [(f"Bundle for Python {manifest['python']}, made {manifest['created']} by `fedssl-bundle "
-             f"{' '.join(shown)}`"), "",
-             "| part | MiB | MiB with the code | limit | contents |", "|---|---|---|---|---|"]
+    lines = [
+        (f"Bundle for Python {manifest['python']}, made {manifest['created']} by `fedssl-bundle {' '.join(shown)}`"),
+        "",
+        "| part | MiB | MiB with the code | limit | contents |",
+        "|---|---|---|---|---|",
+    ]
     for r in manifest["parts"]:
         kinds = sorted({f.split("/", 1)[0] for f in r["files"]})
-        lines.append(f"| {r['part']} | {r['bytes'] / MIB:.1f} | {r['bytes_with_code'] / MIB:.1f} | "
-                     f"{manifest['limit_bytes'] / MIB:.0f} | {', '.join(kinds)} |")
+        lines.append(
+            f"| {r['part']} | {r['bytes'] / MIB:.1f} | {r['bytes_with_code'] / MIB:.1f} | "
+            f"{manifest['limit_bytes'] / MIB:.0f} | {', '.join(kinds)} |"
+        )
     wheels = manifest["wheels"]
-    lines += ["", f"{len(wheels)} wheels, {sum(w['bytes'] for w in wheels) / MIB:.1f} MiB: "
-              + ", ".join(f"{w['name']} {w['version']}" for w in wheels) + "."]
+    lines += [
+        "",
+        f"{len(wheels)} wheels, {sum(w['bytes'] for w in wheels) / MIB:.1f} MiB: "
+        + ", ".join(f"{w['name']} {w['version']}" for w in wheels)
+        + ".",
+    ]
     lines += [f"Left out or decided: {'; '.join(manifest['notes'])}." if manifest["notes"] else ""]
     data = manifest["data"].get("manifest") or {}
     if data:
         effect = data.get("effect") or {}
-        lines += ["", f"Data: {data.get('source', {}).get('name', '?')} as {len(manifest['data']['parts'])} part(s), "
-                  f"encoding `{data.get('encoding', '?')}`, effect on the pixels: "
-                  f"{effect.get('summary', effect) if isinstance(effect, dict) else effect}"
-                  + (f"; a class-balanced subset of {data['subset_per_class']} training images per class"
-                     if data.get("subset_per_class") else "") + "."]
+        lines += [
+            "",
+            f"Data: {data.get('source', {}).get('name', '?')} as {len(manifest['data']['parts'])} part(s), "
+            f"encoding `{data.get('encoding', '?')}`, effect on the pixels: "
+            f"{effect.get('summary', effect) if isinstance(effect, dict) else effect}"
+            + (
+                f"; a class-balanced subset of {data['subset_per_class']} training images per class"
+                if data.get("subset_per_class")
+                else ""
+            )
+            + ".",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedssl-bundle", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--python", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                    help="the target's Python version, e.g. 3.12 (default: this interpreter's)")
-    ap.add_argument("--have", required=True, metavar="FILE",
-                    help="what the target already has: 'name' or 'name==version' a line (pip freeze's output "
-                         "works); fedssl_gpu/targets/ has examples")
-    ap.add_argument("--data", default=None, metavar="NPZ", help="the data set to pack (.npz with x_train, y_train, "
-                    "x_test, y_test); none: no data in the bundle")
+    ap.add_argument(
+        "--python",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the target's Python version, e.g. 3.12 (default: this interpreter's)",
+    )
+    ap.add_argument(
+        "--have",
+        required=True,
+        metavar="FILE",
+        help="what the target already has: 'name' or 'name==version' a line (pip freeze's output "
+        "works); fedssl_gpu/targets/ has examples",
+    )
+    ap.add_argument(
+        "--data",
+        default=None,
+        metavar="NPZ",
+        help="the data set to pack (.npz with x_train, y_train, x_test, y_test); none: no data in the bundle",
+    )
     ap.add_argument("--out", default="gpu-bundle", help="the bundle folder (emptied first)")
     ap.add_argument("--limit-mib", type=float, default=60.0, help="the largest transfer, code included (MiB)")
     ap.add_argument("--encoding", default=None, help="the data encoding (fedssl_gpu/datapack.py; default: its own)")
-    ap.add_argument("--subset-per-class", type=int, default=None, metavar="N",
-                    help="carry a class-balanced subset of N training images per class (the fallback when the "
-                         "whole set does not fit)")
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "fedssl-bundle"),
-                    help="where downloaded wheels are kept between builds")
-    ap.add_argument("--skip", nargs="*", default=list(SKIP_DEFAULT),
-                    help=f"dependencies left out (default: {' '.join(SKIP_DEFAULT)}; see the module's docstring)")
-    ap.add_argument("--report", default=None, metavar="MD",
-                    help="also write the size table, the wheels and the data's encoding to this Markdown file")
+    ap.add_argument(
+        "--subset-per-class",
+        type=int,
+        default=None,
+        metavar="N",
+        help="carry a class-balanced subset of N training images per class (the fallback when the "
+        "whole set does not fit)",
+    )
+    ap.add_argument(
+        "--cache",
+        default=str(Path.home() / ".cache" / "fedssl-bundle"),
+        help="where downloaded wheels are kept between builds",
+    )
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=list(SKIP_DEFAULT),
+        help=f"dependencies left out (default: {' '.join(SKIP_DEFAULT)}; see the module's docstring)",
+    )
+    ap.add_argument(
+        "--report",
+        default=None,
+        metavar="MD",
+        help="also write the size table, the wheels and the data's encoding to this Markdown file",
+    )
     args = ap.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python):
         print(f"fedssl-bundle: --python {args.python!r}: expected a version like 3.12", file=sys.stderr)
@@ -371,19 +482,28 @@ def main(argv: list[str] | None = None) -> int:
         have = read_have(args.have)
         if args.data is not None and not Path(args.data).is_file():
             raise BundleError(f"--data {args.data}: no such file")
-        manifest = build(Path(args.out).resolve(), python=args.python, have=have,
-                         data=Path(args.data) if args.data else None, limit_bytes=int(args.limit_mib * MIB),
-                         cache=Path(args.cache), encoding=args.encoding, subset_per_class=args.subset_per_class,
-                         skip=tuple(args.skip))
+        manifest = build(
+            Path(args.out).resolve(),
+            python=args.python,
+            have=have,
+            data=Path(args.data) if args.data else None,
+            limit_bytes=int(args.limit_mib * MIB),
+            cache=Path(args.cache),
+            encoding=args.encoding,
+            subset_per_class=args.subset_per_class,
+            skip=tuple(args.skip),
+        )
     except (BundleError, OSError, ValueError) as exc:
         print(f"fedssl-bundle: {exc}", file=sys.stderr)
         return 2
     if args.report:
         Path(args.report).write_text(report_markdown(manifest, argv if argv is not None else sys.argv[1:]))
     wheels_mib = sum(w["bytes"] for w in manifest["wheels"]) / MIB
-    print(f"bundle {args.out}: {len(manifest['parts'])} part(s); {len(manifest['wheels'])} wheels "
-          f"({wheels_mib:.1f} MiB) for Python {args.python}, code {manifest['code']['bytes'] / MIB:.1f} MiB"
-          + "".join(f"\n  note: {n}" for n in manifest["notes"]))
+    print(
+        f"bundle {args.out}: {len(manifest['parts'])} part(s); {len(manifest['wheels'])} wheels "
+        f"({wheels_mib:.1f} MiB) for Python {args.python}, code {manifest['code']['bytes'] / MIB:.1f} MiB"
+        + "".join(f"\n  note: {n}" for n in manifest["notes"])
+    )
     return 0
 
 

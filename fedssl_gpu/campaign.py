@@ -93,8 +93,9 @@ class Plan:
         raw = yaml.safe_load(path.read_text()) or {}
         known = {"campaign", "device", "assumed", "stages"}
         if not isinstance(raw, dict) or set(raw) - known:
-            raise CampaignError(f"plan {path}: unknown key(s) {', '.join(sorted(set(raw) - known))} "
-                                f"(known: {', '.join(sorted(known))})")
+            raise CampaignError(
+                f"plan {path}: unknown key(s) {', '.join(sorted(set(raw) - known))} (known: {', '.join(sorted(known))})"
+            )
         device = str(raw.get("device", "cuda"))
         if device not in ("cuda", "cpu"):
             raise CampaignError(f"plan {path}: device {device!r}: expected cuda or cpu")
@@ -104,10 +105,17 @@ class Plan:
             raise CampaignError(str(exc)) from None
         stages = raw.get("stages") or {}
         if not isinstance(stages, dict) or set(stages) - set(STAGES):
-            raise CampaignError(f"plan {path}: stages: unknown stage(s) {', '.join(sorted(set(stages) - set(STAGES)))}"
-                                f" (known: {', '.join(STAGES)})")
-        plan = cls(path=path, name=str(raw.get("campaign") or path.stem), device=device, assumed=assumed,
-                   stages=tuple(s for s in STAGES if s in stages))
+            raise CampaignError(
+                f"plan {path}: stages: unknown stage(s) {', '.join(sorted(set(stages) - set(STAGES)))}"
+                f" (known: {', '.join(STAGES)})"
+            )
+        plan = cls(
+            path=path,
+            name=str(raw.get("campaign") or path.stem),
+            device=device,
+            assumed=assumed,
+            stages=tuple(s for s in STAGES if s in stages),
+        )
         root = REPO  # paths in a plan are relative to the app's folder
 
         def files(items, where: str) -> list[Path]:
@@ -129,10 +137,12 @@ class Plan:
         if "throughput" in plan.stages and str(t.get("scale", "paper")) not in ("paper", "tiny"):
             raise CampaignError(f"plan {path}: stages.throughput.scale: expected paper or tiny")
         compile_ = t.get("compile", True)
-        if not isinstance(compile_, bool) and (not isinstance(compile_, list)
-                                               or not all(isinstance(m, str) for m in compile_)):
-            raise CampaignError(f"plan {path}: stages.throughput.compile: expected true, false or a list of "
-                                "method names")
+        if not isinstance(compile_, bool) and (
+            not isinstance(compile_, list) or not all(isinstance(m, str) for m in compile_)
+        ):
+            raise CampaignError(
+                f"plan {path}: stages.throughput.compile: expected true, false or a list of method names"
+            )
         plan.throughput = {"scale": str(t.get("scale", "paper")), "compile": compile_, "steps": t.get("steps")}
         s = stages.get("paper-shape") or {}
         _only(s, {"studies", "set", "variants", "seeds"}, f"plan {path}: stages.paper-shape")
@@ -175,15 +185,20 @@ class Plan:
         for f in self.studies:
             try:
                 probe = load_study(f, validate=False)
-                study = load_study(f, {**self.study_set, **self.data_overrides(data_path)},
-                                   variants=self.study_variants.get(probe.name),
-                                   seeds=self.study_seeds.get(probe.name))
+                study = load_study(
+                    f,
+                    {**self.study_set, **self.data_overrides(data_path)},
+                    variants=self.study_variants.get(probe.name),
+                    seeds=self.study_seeds.get(probe.name),
+                )
             except ConfigError as exc:
                 raise CampaignError(f"plan {self.path}: study {f.name}: {exc}") from None
             clients = {study.experiment(v).federation.num_clients for v in study.variants}
             if len(clients) != 1:
-                raise CampaignError(f"plan {self.path}: study {f.name}: its variants need different client counts "
-                                    f"({sorted(clients)}); one deployment serves one count")
+                raise CampaignError(
+                    f"plan {self.path}: study {f.name}: its variants need different client counts "
+                    f"({sorted(clients)}); one deployment serves one count"
+                )
             out.append(study)
         return out
 
@@ -220,11 +235,14 @@ def stage_estimates(plan: Plan) -> dict[str, dict[str, float]]:
         flops = estimate_flops(scale)
         steps = int(plan.throughput.get("steps") or timed_steps(scale))
         compile_ = plan.throughput["compile"]
-        compiled = {m: f for m, f in flops.items() if compile_ is True or (isinstance(compile_, list) and m in compile_)}
+        compiled = {
+            m: f for m, f in flops.items() if compile_ is True or (isinstance(compile_, list) and m in compile_)
+        }
         seconds = throughput_estimate(flops, steps, 2, a)  # fp32 and the fast path, every method
         # the compiled configuration: its timed steps at the fast path's rate, its overhead and its compilation
-        seconds += sum(2 * steps * f / (a.train_tflops * 1e12) + a.throughput_overhead_s + a.compile_s
-                       for f in compiled.values())
+        seconds += sum(
+            2 * steps * f / (a.train_tflops * 1e12) + a.throughput_overhead_s + a.compile_s for f in compiled.values()
+        )
         out["throughput"] = {f"{scale} scale, {len(flops)} methods ({len(compiled)} compiled)": seconds}
     if "paper-shape" in plan.stages:
         items = {}
@@ -239,13 +257,18 @@ def timeplan_markdown(plan: Plan) -> str:
 
     est = stage_estimates(plan)
     a = plan.assumed
-    lines = [f"# Time plan of `{plan.path.name}` ({plan.name}, device {plan.device})", "",
-             "Estimated before anything runs (`fedssl-campaign plan " + _rel(plan.path) + " --write` writes this "
-             "file; `fedssl_gpu/timeplan.py` says how): work counted in FLOPs on each run's own model, over the "
-             "rates assumed below, plus fixed costs. The campaign skips a stage whose estimate exceeds the time "
-             "left. Server-side training (FLESD's distillation) and Hetero-SSFL's RAD passes are not counted: "
-             "for those studies the estimate is a floor.", "",
-             "| assumed | value |", "|---|---|"]
+    lines = [
+        f"# Time plan of `{plan.path.name}` ({plan.name}, device {plan.device})",
+        "",
+        "Estimated before anything runs (`fedssl-campaign plan " + _rel(plan.path) + " --write` writes this "
+        "file; `fedssl_gpu/timeplan.py` says how): work counted in FLOPs on each run's own model, over the "
+        "rates assumed below, plus fixed costs. The campaign skips a stage whose estimate exceeds the time "
+        "left. Server-side training (FLESD's distillation) and Hetero-SSFL's RAD passes are not counted: "
+        "for those studies the estimate is a floor.",
+        "",
+        "| assumed | value |",
+        "|---|---|",
+    ]
     for k, v in a.__dict__.items():
         lines.append(f"| `{k}` | {v:g} |")
     lines += ["", "| stage | item | estimate |", "|---|---|---|"]
@@ -318,55 +341,97 @@ def install(bundle: Path, log: Callable[[str], None] = say) -> dict:
     installed is kept unless the bundle carries it because the target's version did not satisfy a requirement."""
     wheels, manifest = find_wheels(bundle)
     forced = {n.split(":", 1)[0] for n in manifest.get("notes", []) if "is needed: carried" in n}
-    todo = [w for w, meta in zip(wheels, manifest["wheels"])
-            if installed_version(meta["name"]) is None or meta["name"] in forced]
+    todo = [
+        w
+        for w, meta in zip(wheels, manifest["wheels"])
+        if installed_version(meta["name"]) is None or meta["name"] in forced
+    ]
     t0 = time.perf_counter()
     if todo:
         log(f"installing {len(todo)} of the bundle's {len(wheels)} wheels (pip --no-index)")
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
-                               "--disable-pip-version-check", "--no-warn-script-location", *map(str, todo)],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-index",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                *map(str, todo),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
-            raise CampaignError(f"installing the bundle's wheels failed (exit {proc.returncode}):\n"
-                                + (proc.stdout + proc.stderr)[-2000:])
+            raise CampaignError(
+                f"installing the bundle's wheels failed (exit {proc.returncode}):\n"
+                + (proc.stdout + proc.stderr)[-2000:]
+            )
         importlib.invalidate_caches()
     flwr_pin = next((r.split("==", 1)[1] for r in manifest.get("roots", []) if r.startswith("flwr==")), None)
-    probe = subprocess.run([sys.executable, "-c", "import flwr, sys; sys.stdout.write(flwr.__version__)"],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import flwr, sys; sys.stdout.write(flwr.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if probe.returncode != 0:
         raise CampaignError("flwr does not import after the install:\n" + probe.stderr[-1500:])
     if flwr_pin and probe.stdout.strip() != flwr_pin:
-        raise CampaignError(f"flwr {probe.stdout.strip()} is installed, the bundle carries {flwr_pin}: use a "
-                            "fresh environment")
+        raise CampaignError(
+            f"flwr {probe.stdout.strip()} is installed, the bundle carries {flwr_pin}: use a fresh environment"
+        )
     for script in ("flwr", "flower-superlink", "flower-supernode"):
         if not (Path(sys.executable).parent / script).exists() and shutil.which(script) is None:
             raise CampaignError(f"{script} is not on PATH after the install (pip put scripts elsewhere?)")
-    return {"installed": [w.name for w in todo], "kept": len(wheels) - len(todo), "flwr": probe.stdout.strip(),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "installed": [w.name for w in todo],
+        "kept": len(wheels) - len(todo),
+        "flwr": probe.stdout.strip(),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- device
 def check_device(device: str) -> dict:
     import torch
 
-    info: dict[str, Any] = {"requested": device, "torch": torch.__version__, "cuda_build": torch.version.cuda,
-                            "python": sys.version.split()[0], "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "requested": device,
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "cuda_available": torch.cuda.is_available(),
+    }
     if device == "cuda":
         if not torch.cuda.is_available():
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise CampaignError("the plan asks for device cuda, but torch sees no CUDA device ("
-                                f"torch {torch.__version__}, built for CUDA {torch.version.cuda}"
-                                + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "")
-                                + "); run with --device cpu to try the campaign on the CPU")
+            raise CampaignError(
+                "the plan asks for device cuda, but torch sees no CUDA device ("
+                f"torch {torch.__version__}, built for CUDA {torch.version.cuda}"
+                + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "")
+                + "); run with --device cpu to try the campaign on the CPU"
+            )
         props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-                    count=torch.cuda.device_count(),
-                    bf16=bool(torch.cuda.is_bf16_supported(including_emulation=False)))
+        info.update(
+            name=props.name,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            count=torch.cuda.device_count(),
+            bf16=bool(torch.cuda.is_bf16_supported(including_emulation=False)),
+        )
         smi = shutil.which("nvidia-smi")
         if smi:
-            q = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                               text=True, check=False)
+            q = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             info["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
     else:
         import platform
@@ -440,8 +505,17 @@ def stage_correctness(ctx: Context, record: dict) -> str:
     results = record.setdefault("results", {})
     if ctx.plan.pytest_args and not (results.get("pytest") or {}).get("ok"):
         xml = folder / "pytest.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ctx.plan.pytest_args,
-               "--junitxml", str(xml)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *ctx.plan.pytest_args,
+            "--junitxml",
+            str(xml),
+        ]
         ctx.log("correctness: " + " ".join(cmd[2:]))
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(60, ctx.left_s), check=False)
         (folder / "pytest.log").write_text(proc.stdout + proc.stderr)
@@ -458,14 +532,19 @@ def stage_correctness(ctx: Context, record: dict) -> str:
         todo = [(f, cfg) for f, cfg in items if not (results.get(f.name) or {}).get("ok")]
         if not todo:
             continue
-        with LoopbackDeployment(ctx.out / "deployments" / f"smoke-{clients}", clients,
-                                allowed_roots=ctx.roots()) as dep:
+        with LoopbackDeployment(
+            ctx.out / "deployments" / f"smoke-{clients}", clients, allowed_roots=ctx.roots()
+        ) as dep:
             for f, cfg in todo:
                 run_dir = folder / f.stem
                 shutil.rmtree(run_dir, ignore_errors=True)
                 # The config by its path in the app's folder: a deployed ServerApp reads it from its installed app.
-                overrides = {"config": _rel(f), "output-dir": str(run_dir), **ctx.plan.smoke_set,
-                             **ctx.plan.data_overrides(ctx.data_path)}
+                overrides = {
+                    "config": _rel(f),
+                    "output-dir": str(run_dir),
+                    **ctx.plan.smoke_set,
+                    **ctx.plan.data_overrides(ctx.data_path),
+                }
                 t0 = time.perf_counter()
                 ctx.log(f"correctness: {f.name} deployed on loopback ({clients} SuperNodes)")
                 try:
@@ -486,8 +565,10 @@ def stage_correctness(ctx: Context, record: dict) -> str:
                     entry["reason"] = "no summary.json: " + " ".join(said.split())[-600:]
                     (folder / f"{f.stem}.log").write_text(said + "\n" + dep.logs_tail())
                 results[f.name] = entry
-                ctx.log(f"correctness: {f.name}: {'ok' if entry['ok'] else 'FAILED: ' + entry.get('reason', '')} "
-                        f"({seconds:.0f} s)")
+                ctx.log(
+                    f"correctness: {f.name}: {'ok' if entry['ok'] else 'FAILED: ' + entry.get('reason', '')} "
+                    f"({seconds:.0f} s)"
+                )
                 if not entry["ok"]:
                     status = "failed"
     return status
@@ -521,8 +602,9 @@ def stage_throughput(ctx: Context, record: dict) -> str:
 
     t = ctx.plan.throughput
     folder = ctx.out / "throughput"
-    result = run_throughput(folder, device=ctx.plan.device, scale=t["scale"], compile=bool(t["compile"]),
-                            steps=t.get("steps"), log=ctx.log)
+    result = run_throughput(
+        folder, device=ctx.plan.device, scale=t["scale"], compile=bool(t["compile"]), steps=t.get("steps"), log=ctx.log
+    )
     record["results"] = {"files": sorted(p.name for p in folder.iterdir()), "ok": bool(result.get("ok"))}
     if not result.get("ok"):
         record["reason"] = "a configuration was not measured: throughput/throughput.md says which"
@@ -550,15 +632,25 @@ def stage_paper_shape(ctx: Context, record: dict) -> str:
         first = run_estimate(study.experiment(*remaining[0]), ctx.plan.assumed) if remaining else None
         # A study starts only when one round of its next run fits (each round is checkpointed); else it waits.
         if first is not None and ctx.left_s < ctx.plan.assumed.run_start_s + first["seconds"] / max(
-                1, study.experiment(*remaining[0]).rounds):
+            1, study.experiment(*remaining[0]).rounds
+        ):
             entry.update(status="skipped", reason=f"{ctx.left_s:.0f} s left, less than one round")
             ctx.log(f"paper-shape: {study.name}: skipped ({entry['reason']})")
             status = "more"
             continue
         clients = study.experiment(study.runs()[0][0]).federation.num_clients
         sets = {**ctx.plan.study_set, **ctx.plan.data_overrides(ctx.data_path)}
-        cmd = [sys.executable, "-c", "import sys; from fedssl_study.cli import study_main; sys.exit(study_main())",
-               "run", str(study.path), "--out", str(folder), "--connection", "campaign"]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from fedssl_study.cli import study_main; sys.exit(study_main())",
+            "run",
+            str(study.path),
+            "--out",
+            str(folder),
+            "--connection",
+            "campaign",
+        ]
         for key, value in sets.items():
             cmd += ["--set", f"{key}={value}"]
         variants = ctx.plan.study_variants.get(study.name)
@@ -567,14 +659,22 @@ def stage_paper_shape(ctx: Context, record: dict) -> str:
         seeds = ctx.plan.study_seeds.get(study.name)
         if seeds:
             cmd += ["--seeds", *map(str, seeds)]
-        ctx.log(f"paper-shape: {study.name}: {len(remaining)} run(s) to go on {clients} SuperNodes, "
-                f"{ctx.left_s:.0f} s left")
+        ctx.log(
+            f"paper-shape: {study.name}: {len(remaining)} run(s) to go on {clients} SuperNodes, {ctx.left_s:.0f} s left"
+        )
         with LoopbackDeployment(ctx.out / "deployments" / study.name, clients, allowed_roots=ctx.roots()) as dep:
             env = {**dep.cli_env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             folder.parent.mkdir(parents=True, exist_ok=True)
             log = open(folder.parent / f"{study.name}.log", "a")  # noqa: SIM115 - the child process's output: open as long as it runs
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             cut = False
             try:
                 while proc.poll() is None:
@@ -592,8 +692,10 @@ def stage_paper_shape(ctx: Context, record: dict) -> str:
             finally:
                 log.close()
         code = proc.returncode
-        entry.update(exit=code, report=str((folder / "report.md").relative_to(ctx.out))
-                     if (folder / "report.md").is_file() else None)
+        entry.update(
+            exit=code,
+            report=str((folder / "report.md").relative_to(ctx.out)) if (folder / "report.md").is_file() else None,
+        )
         if code == 0 and not cut:
             entry["status"] = "done"
         elif cut or code == 130:
@@ -621,8 +723,7 @@ def _stop_study(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-STAGE_FUNCTIONS = {"correctness": stage_correctness, "throughput": stage_throughput,
-                   "paper-shape": stage_paper_shape}
+STAGE_FUNCTIONS = {"correctness": stage_correctness, "throughput": stage_throughput, "paper-shape": stage_paper_shape}
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -631,24 +732,38 @@ def write_report(out: Path, state: State, plan: Plan) -> Path:
 
     d = state.data
     dev = d.get("device", {})
-    lines = [f"# Campaign `{plan.name}`", "",
-             (f"Plan `{_rel(plan.path)}`; device {dev.get('name', '?')} ({dev.get('requested', '?')}); torch "
-             f"{dev.get('torch', '?')}, Python {dev.get('python', '?')}; flwr {d.get('install', {}).get('flwr', '?')}."),
-             ""]
+    lines = [
+        f"# Campaign `{plan.name}`",
+        "",
+        (
+            f"Plan `{_rel(plan.path)}`; device {dev.get('name', '?')} ({dev.get('requested', '?')}); torch "
+            f"{dev.get('torch', '?')}, Python {dev.get('python', '?')}; flwr {d.get('install', {}).get('flwr', '?')}."
+        ),
+        "",
+    ]
     data = d.get("data") or {}
     if data:
-        lines += [f"Data: {data.get('name', '?')}, encoding {data.get('encoding', '?')}"
-                  + (f", effect: {data['effect'].get('summary', data['effect'])}" if isinstance(data.get('effect'), dict) else "")
-                  + (f", subset {data['subset_per_class']} per class" if data.get("subset_per_class") else "")
-                  + ".", ""]
+        lines += [
+            f"Data: {data.get('name', '?')}, encoding {data.get('encoding', '?')}"
+            + (
+                f", effect: {data['effect'].get('summary', data['effect'])}"
+                if isinstance(data.get("effect"), dict)
+                else ""
+            )
+            + (f", subset {data['subset_per_class']} per class" if data.get("subset_per_class") else "")
+            + ".",
+            "",
+        ]
     lines += ["| call | started | budget | command |", "|---|---|---|---|"]
     for i, call in enumerate(d["calls"], start=1):
         lines.append(f"| {i} | {call['started']} | {call['budget_s']:.0f} s | `{call['command']}` |")
     lines += ["", "| stage | status | estimate | seconds (all calls) | note |", "|---|---|---|---|---|"]
     for name in plan.stages:
         s = d["stages"].get(name, {})
-        lines.append(f"| {name} | {s.get('status', 'not run')} | {format_seconds(s.get('estimate_s', 0))} | "
-                     f"{s.get('seconds', 0):.0f} | {s.get('reason', '')} |")
+        lines.append(
+            f"| {name} | {s.get('status', 'not run')} | {format_seconds(s.get('estimate_s', 0))} | "
+            f"{s.get('seconds', 0):.0f} | {s.get('reason', '')} |"
+        )
     for name in plan.stages:
         results = d["stages"].get(name, {}).get("results")
         if results:
@@ -667,26 +782,39 @@ def publish(out: Path, dest: Path = GPU_RESULTS) -> Path:
     state = json.loads((out / STATE_FILE).read_text())
     dev = state.get("device", {})
     if dev.get("requested") != "cuda":
-        raise CampaignError(f"{out}: this campaign ran on {dev.get('requested', '?')}, not cuda: nothing to publish "
-                            "as GPU figures")
-    lines = [(f"GPU figures from the campaign (`{state.get('plan', '?')}`) on {dev.get('name', '?')} "
-             f"({dev.get('memory_gib', '?')} GiB, driver {dev.get('driver', '?')}), torch {dev.get('torch', '?')} "
-             f"(CUDA {dev.get('cuda_build', '?')}), Python {dev.get('python', '?')}, flwr "
-             f"{state.get('install', {}).get('flwr', '?')}"), ""]
-    lines += ["Commands, one per call: " + "; ".join(f"`{c['command']}` ({c['started']})" for c in state["calls"]),
-              ""]
+        raise CampaignError(
+            f"{out}: this campaign ran on {dev.get('requested', '?')}, not cuda: nothing to publish as GPU figures"
+        )
+    lines = [
+        (
+            f"GPU figures from the campaign (`{state.get('plan', '?')}`) on {dev.get('name', '?')} "
+            f"({dev.get('memory_gib', '?')} GiB, driver {dev.get('driver', '?')}), torch {dev.get('torch', '?')} "
+            f"(CUDA {dev.get('cuda_build', '?')}), Python {dev.get('python', '?')}, flwr "
+            f"{state.get('install', {}).get('flwr', '?')}"
+        ),
+        "",
+    ]
+    lines += ["Commands, one per call: " + "; ".join(f"`{c['command']}` ({c['started']})" for c in state["calls"]), ""]
     correctness = state["stages"].get("correctness", {})
     results = correctness.get("results") or {}
     if results:
-        lines += [f"**Correctness** ({correctness.get('status', '?')}):", "", "| check | outcome | seconds |",
-                  "|---|---|---|"]
+        lines += [
+            f"**Correctness** ({correctness.get('status', '?')}):",
+            "",
+            "| check | outcome | seconds |",
+            "|---|---|---|",
+        ]
         for name, r in results.items():
             if name == "pytest":
-                lines.append(f"| CUDA tests | {r.get('passed', 0)} passed, {r.get('failed', 0)} failed, "
-                             f"{r.get('errors', 0)} errors, {r.get('skipped', 0)} skipped | |")
+                lines.append(
+                    f"| CUDA tests | {r.get('passed', 0)} passed, {r.get('failed', 0)} failed, "
+                    f"{r.get('errors', 0)} errors, {r.get('skipped', 0)} skipped | |"
+                )
             else:
-                lines.append(f"| {name} deployed on loopback | {'ok' if r.get('ok') else 'FAILED: ' + str(r.get('reason'))}"
-                             f", clients on {', '.join(r.get('devices') or ['?'])} | {r.get('seconds', '')} |")
+                lines.append(
+                    f"| {name} deployed on loopback | {'ok' if r.get('ok') else 'FAILED: ' + str(r.get('reason'))}"
+                    f", clients on {', '.join(r.get('devices') or ['?'])} | {r.get('seconds', '')} |"
+                )
         lines.append("")
     throughput = out / "throughput" / "throughput.md"
     if throughput.is_file():
@@ -717,12 +845,15 @@ def run(args: argparse.Namespace, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state = State(out)
     state.data["plan"] = _rel(plan.path)
-    state.data["calls"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": float(args.budget_s),
-                                "command": command})
+    state.data["calls"].append(
+        {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": float(args.budget_s), "command": command}
+    )
     state.save()
     state.data["install"] = install(bundle)
-    say(f"install: flwr {state.data['install']['flwr']}, {len(state.data['install']['installed'])} wheel(s) "
-        f"installed, {state.data['install']['kept']} already there")
+    say(
+        f"install: flwr {state.data['install']['flwr']}, {len(state.data['install']['installed'])} wheel(s) "
+        f"installed, {state.data['install']['kept']} already there"
+    )
     plan.check_runs()
     state.data["device"] = check_device(plan.device)
     say(f"device: {state.data['device'].get('name')} ({plan.device})")
@@ -781,8 +912,14 @@ def run(args: argparse.Namespace, command: str) -> int:
     report = write_report(out, state, plan)
     if args.archive:
         say(f"results archived: {archive(out, Path(args.archive))}")
-    say(f"report: {report}; " + {EXIT_OK: "every stage finished", EXIT_MORE: "some stages are left: call again",
-                                 EXIT_FAILED: "a stage failed"}[exit_code])
+    say(
+        f"report: {report}; "
+        + {
+            EXIT_OK: "every stage finished",
+            EXIT_MORE: "some stages are left: call again",
+            EXIT_FAILED: "a stage failed",
+        }[exit_code]
+    )
     return exit_code
 
 
@@ -791,8 +928,11 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedssl-campaign", description="The GPU programme from an offline bundle: "
-                                 "install, check the device, run the plan's stages within a time budget.")
+    ap = argparse.ArgumentParser(
+        prog="fedssl-campaign",
+        description="The GPU programme from an offline bundle: "
+        "install, check the device, run the plan's stages within a time budget.",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="install from the bundle and run the plan's stages")
     r.add_argument("plan", help="the campaign plan (fedssl_gpu/plans/*.yaml)")
@@ -801,14 +941,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget-s", type=float, required=True, help="seconds this call may take")
     r.add_argument("--device", choices=("cuda", "cpu"), default=None, help="override the plan's device")
     r.add_argument("--stages", nargs="+", choices=STAGES, default=None, help="only these stages")
-    r.add_argument("--studies", nargs="+", default=None, metavar="NAME",
-                   help="the paper-shape stage runs only these studies (their `study:` names)")
+    r.add_argument(
+        "--studies",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the paper-shape stage runs only these studies (their `study:` names)",
+    )
     r.add_argument("--archive", default=None, metavar="FILE", help="pack the results into FILE (.tar.gz) at the end")
     p = sub.add_parser("plan", help="print the plan's time plan (seconds per stage)")
     p.add_argument("plan")
     p.add_argument("--write", action="store_true", help="write it next to the plan file (<plan>.timeplan.md)")
-    pub = sub.add_parser("publish", help="write a GPU campaign's figures to benchmarks/results/gpu.md (the "
-                         "performance page shows them)")
+    pub = sub.add_parser(
+        "publish", help="write a GPU campaign's figures to benchmarks/results/gpu.md (the performance page shows them)"
+    )
     pub.add_argument("out", help="the campaign's --out folder")
     pub.add_argument("--to", default=str(GPU_RESULTS), help="the results file to write")
     args = ap.parse_args(argv)

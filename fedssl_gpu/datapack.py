@@ -87,12 +87,19 @@ class Encoding:
     def detail(self) -> dict:
         if self.kind == "xz":
             return {"kind": "xz", "pixels": "raw uint8, xz preset 9 extreme, one stream per split per part"}
-        jpeg = {"quality": self.quality, "subsampling": f"{self.subsampling[0]}:{self.subsampling[1]}:"
-                f"{self.subsampling[2]}", "huffman": "standard tables", "header": "shared, stored once per part"}
+        jpeg = {
+            "quality": self.quality,
+            "subsampling": f"{self.subsampling[0]}:{self.subsampling[1]}:{self.subsampling[2]}",
+            "huffman": "standard tables",
+            "header": "shared, stored once per part",
+        }
         if self.kind == "jpeg":
             return {"kind": "jpeg", "jpeg": jpeg}
-        return {"kind": "lossless", "jpeg": jpeg,
-                "residual": "source minus decoded JPEG modulo 256, uint8, bzip2 level 9, one stream per split per part"}
+        return {
+            "kind": "lossless",
+            "jpeg": jpeg,
+            "residual": "source minus decoded JPEG modulo 256, uint8, bzip2 level 9, one stream per split per part",
+        }
 
 
 def parse_encoding(spec: str) -> Encoding:
@@ -113,8 +120,9 @@ def parse_encoding(spec: str) -> Encoding:
                 return Encoding("jpeg", q, sub)
     except ValueError:
         pass
-    raise ValueError(f"unknown data encoding {spec!r}: use 'lossless', 'lossless:Q', 'jpeg:Q', 'jpeg:Q:444' "
-                     f"(Q in 1..100) or 'xz'")
+    raise ValueError(
+        f"unknown data encoding {spec!r}: use 'lossless', 'lossless:Q', 'jpeg:Q', 'jpeg:Q:444' (Q in 1..100) or 'xz'"
+    )
 
 
 def _sha256(data) -> str:
@@ -141,7 +149,7 @@ def _header_length(jpeg: bytes) -> int:
     while i + 4 <= len(jpeg):
         if jpeg[i] != 0xFF:
             break
-        marker, length = jpeg[i + 1], int.from_bytes(jpeg[i + 2:i + 4], "big")
+        marker, length = jpeg[i + 1], int.from_bytes(jpeg[i + 2 : i + 4], "big")
         i += 2 + length
         if marker == 0xDA:
             return i
@@ -159,10 +167,10 @@ def jpeg_encode(images: np.ndarray, quality: int, subsampling: str = "420") -> t
         _pil_image(img).save(buf, "JPEG", quality=quality, subsampling=sub, optimize=False, progressive=False)
         data = buf.getvalue()
         if header is None:
-            header = data[:_header_length(data)]
+            header = data[: _header_length(data)]
         if not data.startswith(header) or not data.endswith(_EOI):
             raise RuntimeError(f"image {i}: its JPEG header differs from the first image's (mixed image sizes?)")
-        scans.append(data[len(header):-2])
+        scans.append(data[len(header) : -2])
         offsets[i + 1] = offsets[i] + len(scans[-1])
     return header or b"", b"".join(scans), offsets
 
@@ -174,7 +182,7 @@ def jpeg_decode(header: bytes, scans, offsets: np.ndarray, out: np.ndarray) -> n
     scans = bytes(scans)
     shape = out.shape[1:]
     for i in range(len(out)):
-        with Image.open(io.BytesIO(header + scans[offsets[i]:offsets[i + 1]] + _EOI), formats=("JPEG",)) as im:
+        with Image.open(io.BytesIO(header + scans[offsets[i] : offsets[i + 1]] + _EOI), formats=("JPEG",)) as im:
             out[i] = np.asarray(im).reshape(shape)
     return out
 
@@ -190,8 +198,8 @@ def pixel_effect(source: np.ndarray, decoded: np.ndarray, chunk: int = 8192) -> 
     value_hist = np.zeros((2, channels, 256), np.int64)  # (source, decoded) x channel x value
     same = decoded is source
     for lo in range(0, len(source), chunk):
-        s = source[lo:lo + chunk].reshape(-1, channels)
-        d = s if same else decoded[lo:lo + chunk].reshape(-1, channels)
+        s = source[lo : lo + chunk].reshape(-1, channels)
+        d = s if same else decoded[lo : lo + chunk].reshape(-1, channels)
         for c in range(channels):
             value_hist[0, c] += np.bincount(s[:, c], minlength=256)
             value_hist[1, c] += np.bincount(d[:, c], minlength=256) if not same else 0
@@ -206,21 +214,27 @@ def pixel_effect(source: np.ndarray, decoded: np.ndarray, chunk: int = 8192) -> 
     std = np.sqrt(np.maximum((value_hist @ levels**2) / count / 255.0**2 - mean**2, 0.0))
     mse = float(diff_hist @ levels**2) / values
     psnr = None if mse == 0 else round(10 * math.log10(255.0**2 / mse), 3)
-    return {"exact": mse == 0, "psnr_db": psnr, "mean_abs_diff": round(float(diff_hist @ levels) / values, 5),
-            "max_abs_diff": int(np.flatnonzero(diff_hist).max(initial=0)),
-            "equal_pixel_fraction": round(int(diff_hist[0]) / values, 5),
-            "channel_mean_source": [round(float(v), 6) for v in mean[0]],
-            "channel_mean_change": [round(float(v), 6) for v in mean[1] - mean[0]],
-            "channel_std_source": [round(float(v), 6) for v in std[0]],
-            "channel_std_change": [round(float(v), 6) for v in std[1] - std[0]]}
+    return {
+        "exact": mse == 0,
+        "psnr_db": psnr,
+        "mean_abs_diff": round(float(diff_hist @ levels) / values, 5),
+        "max_abs_diff": int(np.flatnonzero(diff_hist).max(initial=0)),
+        "equal_pixel_fraction": round(int(diff_hist[0]) / values, 5),
+        "channel_mean_source": [round(float(v), 6) for v in mean[0]],
+        "channel_mean_change": [round(float(v), 6) for v in mean[1] - mean[0]],
+        "channel_std_source": [round(float(v), 6) for v in std[0]],
+        "channel_std_change": [round(float(v), 6) for v in std[1] - std[0]],
+    }
 
 
 def effect_summary(effect: dict) -> str:
     if effect["exact"]:
         return "exact (lossless)"
-    return (f"PSNR {effect['psnr_db']:.2f} dB, mean abs diff {effect['mean_abs_diff']:.3f}, max abs diff "
-            f"{effect['max_abs_diff']}, largest channel-mean change "
-            f"{max(abs(v) for v in effect['channel_mean_change']):.5f}")
+    return (
+        f"PSNR {effect['psnr_db']:.2f} dB, mean abs diff {effect['mean_abs_diff']:.3f}, max abs diff "
+        f"{effect['max_abs_diff']}, largest channel-mean change "
+        f"{max(abs(v) for v in effect['channel_mean_change']):.5f}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- input
@@ -234,8 +248,9 @@ def _load_source(npz_path: Path) -> dict:
     for split in _SPLITS:
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.dtype != np.uint8 or x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[3] not in (1, 3)):
-            raise ValueError(f"{npz_path.name}: x_{split} must be uint8 images (N, H, W[, 1 or 3]), "
-                             f"not {x.dtype} {x.shape}")
+            raise ValueError(
+                f"{npz_path.name}: x_{split} must be uint8 images (N, H, W[, 1 or 3]), not {x.dtype} {x.shape}"
+            )
         if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"{npz_path.name}: y_{split} must be {len(x)} integer labels, not {y.dtype} {y.shape}")
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
@@ -309,15 +324,17 @@ class _Prepared:
         for s, (lo, hi) in self.ranges(a, b).items():
             arrays[f"{s}.labels"] = _label_storage(self.y[s][lo:hi])
             if self.enc.kind == "xz":
-                arrays[f"{s}.pixels.xz"] = np.frombuffer(lzma.compress(self.x[s][lo:hi].tobytes(), preset=_XZ_PRESET),
-                                                         np.uint8)
+                arrays[f"{s}.pixels.xz"] = np.frombuffer(
+                    lzma.compress(self.x[s][lo:hi].tobytes(), preset=_XZ_PRESET), np.uint8
+                )
                 continue
             scans, offsets = self.scans[s]
-            arrays[f"{s}.lengths"] = np.diff(offsets[lo:hi + 1]).astype(np.uint32)
-            arrays[f"{s}.jpeg"] = np.frombuffer(scans[offsets[lo]:offsets[hi]], np.uint8)
+            arrays[f"{s}.lengths"] = np.diff(offsets[lo : hi + 1]).astype(np.uint32)
+            arrays[f"{s}.jpeg"] = np.frombuffer(scans[offsets[lo] : offsets[hi]], np.uint8)
             if self.enc.kind == "lossless":
-                arrays[f"{s}.residual.bz2"] = np.frombuffer(bz2.compress(self.residual[s][lo:hi].tobytes(), 9),
-                                                            np.uint8)
+                arrays[f"{s}.residual.bz2"] = np.frombuffer(
+                    bz2.compress(self.residual[s][lo:hi].tobytes(), 9), np.uint8
+                )
         return arrays
 
 
@@ -344,9 +361,11 @@ def _fill(prep: _Prepared, start: int, budget: int, limit: int, reserve: int) ->
         n = guess if fit < guess < over else (fit + over) // 2
     if fit == 0:
         one = _payload_bytes(prep.payload(start, start + 1))
-        raise ValueError(f"part limit of {limit} bytes is smaller than one image plus the part header: an image "
-                         f"takes {one} bytes encoded here, the part's header and frame about {reserve + _FRAME}, "
-                         f"so the limit must be at least {one + reserve + _FRAME} bytes")
+        raise ValueError(
+            f"part limit of {limit} bytes is smaller than one image plus the part header: an image "
+            f"takes {one} bytes encoded here, the part's header and frame about {reserve + _FRAME}, "
+            f"so the limit must be at least {one + reserve + _FRAME} bytes"
+        )
     return fit, fit_payload
 
 
@@ -358,8 +377,7 @@ def _serialise(manifest: dict, arrays: dict[str, np.ndarray]) -> tuple[bytes, by
     table, offset, blobs = [], 0, []
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
-        table.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset,
-                      "nbytes": a.nbytes})
+        table.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes})
         offset += a.nbytes
         blobs.append(a.tobytes())
     payload = b"".join(blobs)
@@ -367,8 +385,14 @@ def _serialise(manifest: dict, arrays: dict[str, np.ndarray]) -> tuple[bytes, by
     return header, payload
 
 
-def pack(npz_path: Path, out_dir: Path, *, part_limit_bytes: int = DEFAULT_PART_LIMIT_MIB * MIB,
-         encoding: str = DEFAULT_ENCODING, subset_per_class: int | None = None) -> list[Path]:
+def pack(
+    npz_path: Path,
+    out_dir: Path,
+    *,
+    part_limit_bytes: int = DEFAULT_PART_LIMIT_MIB * MIB,
+    encoding: str = DEFAULT_ENCODING,
+    subset_per_class: int | None = None,
+) -> list[Path]:
     """Pack ``npz_path`` into ``out_dir/<stem>.part-<i>-of-<N>.fedpack``, each at most ``part_limit_bytes``, and
     return their paths. Earlier parts of the same stem in ``out_dir`` are removed first."""
     npz_path, out_dir = Path(npz_path), Path(out_dir)
@@ -379,8 +403,13 @@ def pack(npz_path: Path, out_dir: Path, *, part_limit_bytes: int = DEFAULT_PART_
     subset = None
     if subset_per_class is not None:
         keep = subset_indices(arrays["y_train"], int(subset_per_class))
-        subset = {"per_class": int(subset_per_class), "seed": SUBSET_SEED, "source_train_size":
-                  len(arrays["y_train"]), "train_size": len(keep), "indices_sha256": _sha256(keep.astype("<i8"))}
+        subset = {
+            "per_class": int(subset_per_class),
+            "seed": SUBSET_SEED,
+            "source_train_size": len(arrays["y_train"]),
+            "train_size": len(keep),
+            "indices_sha256": _sha256(keep.astype("<i8")),
+        }
         arrays["x_train"], arrays["y_train"] = arrays["x_train"][keep], arrays["y_train"][keep]
     if len(arrays["x_train"]) + len(arrays["x_test"]) == 0:
         raise ValueError(f"{npz_path.name}: no images to pack")
@@ -393,30 +422,50 @@ def pack(npz_path: Path, out_dir: Path, *, part_limit_bytes: int = DEFAULT_PART_
     class_names = arrays["class_names"]
     outputs = {}
     for s in _SPLITS:
-        outputs[f"x_{s}"] = {"shape": list(prep.x[s].shape), "dtype": prep.x[s].dtype.str,
-                             "sha256": _sha256(np.ascontiguousarray(prep.decoded[s]))}
-        outputs[f"y_{s}"] = {"shape": list(prep.y[s].shape), "dtype": prep.y[s].dtype.str,
-                             "sha256": _sha256(np.ascontiguousarray(prep.y[s]))}
+        outputs[f"x_{s}"] = {
+            "shape": list(prep.x[s].shape),
+            "dtype": prep.x[s].dtype.str,
+            "sha256": _sha256(np.ascontiguousarray(prep.decoded[s])),
+        }
+        outputs[f"y_{s}"] = {
+            "shape": list(prep.y[s].shape),
+            "dtype": prep.y[s].dtype.str,
+            "sha256": _sha256(np.ascontiguousarray(prep.y[s])),
+        }
     if class_names is not None:
         outputs["class_names"] = {"shape": list(class_names.shape), "dtype": class_names.dtype.str}
     from PIL import Image, features
 
-    base = {"format": FORMAT, "tool": "fedssl_gpu.datapack", "name": npz_path.stem, "source": source,
-            "encoding": enc.name, "encoding_detail": enc.detail(), "effect": effect, "subset": subset,
-            "subset_per_class": subset["per_class"] if subset else None, "outputs": outputs,
-            "class_names": None if class_names is None else [str(c) for c in class_names],
-            "encoder": {"pillow": Image.__version__, "libjpeg_turbo": features.version("libjpeg_turbo"),
-                        "numpy": np.__version__},
-            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    base = {
+        "format": FORMAT,
+        "tool": "fedssl_gpu.datapack",
+        "name": npz_path.stem,
+        "source": source,
+        "encoding": enc.name,
+        "encoding_detail": enc.detail(),
+        "effect": effect,
+        "subset": subset,
+        "subset_per_class": subset["per_class"] if subset else None,
+        "outputs": outputs,
+        "class_names": None if class_names is None else [str(c) for c in class_names],
+        "encoder": {
+            "pillow": Image.__version__,
+            "libjpeg_turbo": features.version("libjpeg_turbo"),
+            "numpy": np.__version__,
+        },
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     base_len = len(json.dumps(base, separators=(",", ":")))
     reserve = base_len + 2048
     spans: list[tuple[int, int]] = []
     for _attempt in range(8):
         budget = limit - _FRAME - reserve
         if budget <= 0:
-            raise ValueError(f"part limit of {limit} bytes is smaller than one image plus the part header "
-                             f"(the header alone takes about {reserve + _FRAME} bytes"
-                             + (f" when the pack has {len(spans)} parts)" if _attempt else ")"))
+            raise ValueError(
+                f"part limit of {limit} bytes is smaller than one image plus the part header "
+                f"(the header alone takes about {reserve + _FRAME} bytes"
+                + (f" when the pack has {len(spans)} parts)" if _attempt else ")")
+            )
         spans, payloads, start = [], [], 0
         while start < prep.total:
             n, payload = _fill(prep, start, budget, limit, reserve)
@@ -430,8 +479,15 @@ def pack(npz_path: Path, out_dir: Path, *, part_limit_bytes: int = DEFAULT_PART_
         parts = []
         for i, ((a, b), payload) in enumerate(zip(spans, payloads), start=1):
             content = {s: list(r) for s, r in prep.ranges(a, b).items()}
-            manifest = {**base, "pack_id": pack_id, "part": i, "parts": count, "part_name": _part_name(
-                npz_path.stem, i, count), "content": content, "part_payload_sha256": digests}
+            manifest = {
+                **base,
+                "pack_id": pack_id,
+                "part": i,
+                "parts": count,
+                "part_name": _part_name(npz_path.stem, i, count),
+                "content": content,
+                "part_payload_sha256": digests,
+            }
             header, body = _serialise(manifest, payload)
             parts.append((header, body))
         sizes = [_FRAME + len(h) + len(p) for h, p in parts]
@@ -468,12 +524,13 @@ def _read(path: Path, *, verify: bool = True) -> tuple[dict, bytes, int]:
     if len(data) < _FRAME or not data.startswith(MAGIC):
         raise ValueError(f"data part {path.name} is damaged or not a {SUFFIX} part (no {MAGIC.decode()} frame)")
     if verify and hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
-        raise ValueError(f"data part {path.name} is damaged: its sha256 does not match the one it was written with "
-                         f"(carry it again)")
+        raise ValueError(
+            f"data part {path.name} is damaged: its sha256 does not match the one it was written with (carry it again)"
+        )
     try:
         (length,) = _LEN.unpack_from(data, len(MAGIC))
         start = len(MAGIC) + _LEN.size
-        manifest = json.loads(data[start:start + length])
+        manifest = json.loads(data[start : start + length])
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, not {FORMAT}")
     except ValueError as exc:
@@ -505,8 +562,12 @@ def _part_files(parts) -> list[Path]:
 
 
 def _arrays(manifest: dict, data: bytes, start: int) -> dict[str, np.ndarray]:
-    return {t["name"]: np.frombuffer(data, np.dtype(t["dtype"]), count=int(np.prod(t["shape"], dtype=np.int64)),
-                                     offset=start + t["offset"]).reshape(t["shape"]) for t in manifest["arrays"]}
+    return {
+        t["name"]: np.frombuffer(
+            data, np.dtype(t["dtype"]), count=int(np.prod(t["shape"], dtype=np.int64)), offset=start + t["offset"]
+        ).reshape(t["shape"])
+        for t in manifest["arrays"]
+    }
 
 
 def unpack(parts, out_npz: Path) -> dict:
@@ -520,22 +581,27 @@ def unpack(parts, out_npz: Path) -> dict:
     read = [(p, *_read(p)) for p in files]
     ids = {m["pack_id"] for _, m, _, _ in read}
     if len(ids) > 1:
-        raise ValueError("the data parts come from different packs: " + "; ".join(
-            f"{p.name} (pack {m['pack_id'][:12]}, part {m['part']} of {m['parts']})" for p, m, _, _ in read))
+        raise ValueError(
+            "the data parts come from different packs: "
+            + "; ".join(f"{p.name} (pack {m['pack_id'][:12]}, part {m['part']} of {m['parts']})" for p, m, _, _ in read)
+        )
     first = read[0][1]
     count, stem = first["parts"], first["name"]
     by_index: dict[int, tuple] = {}
     for p, m, data, start in read:
         if m["part"] in by_index:
-            raise ValueError(f"data part {m['part']} of {count} is given twice: {by_index[m['part']][0].name} and "
-                             f"{p.name}")
-        if _sha256(memoryview(data)[start:len(data) - _DIGEST]) != first["part_payload_sha256"][m["part"] - 1]:
+            raise ValueError(
+                f"data part {m['part']} of {count} is given twice: {by_index[m['part']][0].name} and {p.name}"
+            )
+        if _sha256(memoryview(data)[start : len(data) - _DIGEST]) != first["part_payload_sha256"][m["part"] - 1]:
             raise ValueError(f"data part {p.name} does not match the pack's record of part {m['part']}")
         by_index[m["part"]] = (p, m, data, start)
     missing = [i for i in range(1, count + 1) if i not in by_index]
     if missing:
-        raise ValueError(f"missing data part(s) of {count}: " + ", ".join(
-            f"part {i} ({_part_name(stem, i, count)})" for i in missing))
+        raise ValueError(
+            f"missing data part(s) of {count}: "
+            + ", ".join(f"part {i} ({_part_name(stem, i, count)})" for i in missing)
+        )
     enc = parse_encoding(first["encoding"])
     outputs = first["outputs"]
     out = {k: np.empty(v["shape"], np.dtype(v["dtype"])) for k, v in outputs.items() if k != "class_names"}
@@ -552,25 +618,32 @@ def unpack(parts, out_npz: Path) -> dict:
             offsets = np.concatenate([[0], np.cumsum(arrays[f"{s}.lengths"], dtype=np.int64)])
             jpeg_decode(arrays["jpeg_header"].tobytes(), arrays[f"{s}.jpeg"], offsets, x)
             if enc.kind == "lossless":
-                residual[s][lo:hi] = np.frombuffer(bz2.decompress(arrays[f"{s}.residual.bz2"].tobytes()),
-                                                   np.uint8).reshape(x.shape)
+                residual[s][lo:hi] = np.frombuffer(
+                    bz2.decompress(arrays[f"{s}.residual.bz2"].tobytes()), np.uint8
+                ).reshape(x.shape)
     for s, res in residual.items():
         out[f"x_{s}"] += res  # uint8: modulo 256, as packed
-    mismatched = [k for k, v in outputs.items()
-                  if "sha256" in v and _sha256(np.ascontiguousarray(out[k])) != v["sha256"]]
+    mismatched = [
+        k for k, v in outputs.items() if "sha256" in v and _sha256(np.ascontiguousarray(out[k])) != v["sha256"]
+    ]
     labels_bad = [k for k in mismatched if k.startswith("y_")]
     if labels_bad:
         raise ValueError(f"data parts of {stem}: unpacked {', '.join(labels_bad)} differ from the packed ones")
     if mismatched and enc.kind != "jpeg":
         from PIL import Image, features
 
-        raise ValueError(f"data parts of {stem}: the decoded {', '.join(mismatched)} differ from the source "
-                         f"({enc.name} should be exact): this machine's JPEG decoder (Pillow {Image.__version__}, "
-                         f"libjpeg-turbo {features.version('libjpeg_turbo')}) decodes differently from the packer's "
-                         f"({first['encoder']}); pack with encoding 'xz'")
+        raise ValueError(
+            f"data parts of {stem}: the decoded {', '.join(mismatched)} differ from the source "
+            f"({enc.name} should be exact): this machine's JPEG decoder (Pillow {Image.__version__}, "
+            f"libjpeg-turbo {features.version('libjpeg_turbo')}) decodes differently from the packer's "
+            f"({first['encoder']}); pack with encoding 'xz'"
+        )
     if mismatched:
-        warnings.warn(f"data parts of {stem}: the decoded {', '.join(mismatched)} differ slightly from what the "
-                      f"packer decoded (another JPEG decoder); the stated effect is approximate here", stacklevel=2)
+        warnings.warn(
+            f"data parts of {stem}: the decoded {', '.join(mismatched)} differ slightly from what the "
+            f"packer decoded (another JPEG decoder); the stated effect is approximate here",
+            stacklevel=2,
+        )
     if first.get("class_names") is not None:
         out["class_names"] = np.array(first["class_names"], dtype=np.dtype(outputs["class_names"]["dtype"]))
     out_npz = Path(out_npz)
@@ -580,9 +653,13 @@ def unpack(parts, out_npz: Path) -> dict:
         np.savez(fh, **{k: out[k] for k in ("x_train", "y_train", "x_test", "y_test", "class_names") if k in out})
     tmp.replace(out_npz)
     info = {k: v for k, v in first.items() if k not in ("arrays", "content", "part", "part_name")}
-    info["unpack"] = {"parts": [p.name for p, *_ in (by_index[i] for i in range(1, count + 1))],
-                      "bytes": sum(len(by_index[i][2]) for i in by_index), "pixels_verified": not mismatched,
-                      "seconds": round(time.perf_counter() - t0, 2), "out": out_npz.name}
+    info["unpack"] = {
+        "parts": [p.name for p, *_ in (by_index[i] for i in range(1, count + 1))],
+        "bytes": sum(len(by_index[i][2]) for i in by_index),
+        "pixels_verified": not mismatched,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "out": out_npz.name,
+    }
     return info
 
 
@@ -609,8 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", type=Path)
     p.add_argument("out_dir", type=Path)
     p.add_argument("--part-limit-mib", type=float, default=DEFAULT_PART_LIMIT_MIB)
-    p.add_argument("--encoding", default=DEFAULT_ENCODING,
-                   help="lossless (default), lossless:Q, jpeg:Q, jpeg:Q:444 or xz")
+    p.add_argument(
+        "--encoding", default=DEFAULT_ENCODING, help="lossless (default), lossless:Q, jpeg:Q, jpeg:Q:444 or xz"
+    )
     p.add_argument("--subset-per-class", type=int, default=None, metavar="N")
     u = sub.add_parser("unpack", help="check and unpack parts into a regular .npz")
     u.add_argument("parts", type=Path, help="the folder holding the parts (or one part)")
@@ -621,19 +699,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pack":
             t0 = time.perf_counter()
-            paths = pack(args.src, args.out_dir, part_limit_bytes=int(args.part_limit_mib * MIB),
-                         encoding=args.encoding, subset_per_class=args.subset_per_class)
+            paths = pack(
+                args.src,
+                args.out_dir,
+                part_limit_bytes=int(args.part_limit_mib * MIB),
+                encoding=args.encoding,
+                subset_per_class=args.subset_per_class,
+            )
             m = read_manifest(paths[0])
             print(describe(paths))
-            print(f"{len(paths)} part(s), {sum(p.stat().st_size for p in paths) / MIB:.2f} MiB in all, encoding "
-                  f"{m['encoding']}: {m['effect']['summary']}"
-                  + (f"; subset {m['subset_per_class']} per class" if m["subset_per_class"] else "")
-                  + f" ({time.perf_counter() - t0:.1f} s)")
+            print(
+                f"{len(paths)} part(s), {sum(p.stat().st_size for p in paths) / MIB:.2f} MiB in all, encoding "
+                f"{m['encoding']}: {m['effect']['summary']}"
+                + (f"; subset {m['subset_per_class']} per class" if m["subset_per_class"] else "")
+                + f" ({time.perf_counter() - t0:.1f} s)"
+            )
         elif args.command == "unpack":
             info = unpack(args.parts, args.out)
-            print(f"{args.out}: {len(info['unpack']['parts'])} part(s) checked and decoded in "
-                  f"{info['unpack']['seconds']:.1f} s; encoding {info['encoding']}: {info['effect']['summary']}"
-                  + (f"; subset {info['subset_per_class']} per class" if info["subset_per_class"] else ""))
+            print(
+                f"{args.out}: {len(info['unpack']['parts'])} part(s) checked and decoded in "
+                f"{info['unpack']['seconds']:.1f} s; encoding {info['encoding']}: {info['effect']['summary']}"
+                + (f"; subset {info['subset_per_class']} per class" if info["subset_per_class"] else "")
+            )
         else:
             parts = args.parts[0] if len(args.parts) == 1 else args.parts
             print(describe(parts))

@@ -33,8 +33,16 @@ def console_script(name: str) -> str:
 class LoopbackDeployment:
     """``start()`` a SuperLink and ``num_nodes`` SuperNodes (partition i of num_nodes each); ``stop()`` them."""
 
-    def __init__(self, folder: Path, num_nodes: int, *, allowed_roots: list[Path], name: str = "campaign",
-                 threads_per_node: int | None = None, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        num_nodes: int,
+        *,
+        allowed_roots: list[Path],
+        name: str = "campaign",
+        threads_per_node: int | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.folder = Path(folder).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.num_nodes = int(num_nodes)
@@ -45,8 +53,10 @@ class LoopbackDeployment:
         self.env = {
             **os.environ,
             MARKER: f"{os.getpid()}-{self.port}",
-            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PYTHONUNBUFFERED": "1",
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             # The executor looks for new tasks every second by default; every message would wait up to that.
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1"),
@@ -65,9 +75,15 @@ class LoopbackDeployment:
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.folder / f"{name}.log", "w")  # noqa: SIM115 - the child process's output: open as long as it runs
-        proc = subprocess.Popen(argv, cwd=self.folder, env={**self.env, "FLWR_HOME": str(self.folder / name)},
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.folder,
+            env={**self.env, "FLWR_HOME": str(self.folder / name)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -79,9 +95,20 @@ class LoopbackDeployment:
             return False
 
     def start(self, timeout_s: float = 60.0) -> None:
-        self._start("superlink", [console_script("flower-superlink"), "--insecure", "--isolation", "subprocess",
-                                  "--host", "127.0.0.1", "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation"])
+        self._start(
+            "superlink",
+            [
+                console_script("flower-superlink"),
+                "--insecure",
+                "--isolation",
+                "subprocess",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         deadline = time.monotonic() + timeout_s
         while not self._listening():
             if self.procs[0].poll() is not None or time.monotonic() > deadline:
@@ -92,19 +119,38 @@ class LoopbackDeployment:
         self.cli_home.mkdir(parents=True, exist_ok=True)
         (self.cli_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{self.name}"\n\n[superlink.{self.name}]\n'
-            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
         for i in range(self.num_nodes):
-            self._start(f"supernode-{i}", [
-                console_script("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                "--isolation", "subprocess", "--port", str(free_port()),
-                "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
+            self._start(
+                f"supernode-{i}",
+                [
+                    console_script("flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{self.port}",
+                    "--isolation",
+                    "subprocess",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions={self.num_nodes}",
+                ],
+            )
 
     def run(self, app_dir: Path, run_config: str, timeout_s: float) -> subprocess.CompletedProcess:
         """``flwr run <app> <name> --stream``: blocks until the run ends (Flower's CLI exits 0 even when the run
         failed: the caller checks the run's ``summary.json``)."""
-        return subprocess.run([console_script("flwr"), "run", str(app_dir), self.name, "--stream", "--run-config",
-                               run_config], cwd=app_dir, env=self.cli_env, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)
+        return subprocess.run(
+            [console_script("flwr"), "run", str(app_dir), self.name, "--stream", "--run-config", run_config],
+            cwd=app_dir,
+            env=self.cli_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
 
     def logs_tail(self, chars: int = 1500) -> str:
         parts = []

@@ -125,8 +125,10 @@ def describe_model(method: torch.nn.Module, cfg: ExperimentConfig) -> str:
     """The encoder in words, read off the built model."""
     backbone = method.backbone
     if cfg.model.arch == "vit_tiny":
-        return (f"ViT-Tiny/{backbone.patch_size} ({backbone.depth} blocks, dim {backbone.embed_dim}, "
-                f"{backbone.num_heads} heads)")
+        return (
+            f"ViT-Tiny/{backbone.patch_size} ({backbone.depth} blocks, dim {backbone.embed_dim}, "
+            f"{backbone.num_heads} heads)"
+        )
     return f"CIFAR {cfg.model.arch} (width {cfg.model.width:g})"
 
 
@@ -137,8 +139,13 @@ def _flops_per_image(scale: str) -> dict[str, float]:
     for spec in method_specs(scale):
         method = build_ssl_model(spec.cfg, seed=0)
         # count_cpu_attention: the CPU count of the ViT's attention equals the CUDA one (ssl_models/accounting/flops.py)
-        counted = training_step_flops(method, (3, IMAGE_SIZE, IMAGE_SIZE), batch_size=min(spec.batch, FLOP_COUNT_BATCH),
-                                      device="cpu", count_cpu_attention=True)
+        counted = training_step_flops(
+            method,
+            (3, IMAGE_SIZE, IMAGE_SIZE),
+            batch_size=min(spec.batch, FLOP_COUNT_BATCH),
+            device="cpu",
+            count_cpu_attention=True,
+        )
         out[spec.name] = float(counted["total"])
     return out
 
@@ -179,14 +186,22 @@ def device_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"type": device.type, "torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                    capability=".".join(str(v) for v in torch.cuda.get_device_capability(device)),
-                    memory_bytes=int(props.total_memory), cudnn=torch.backends.cudnn.version())
+        info.update(
+            name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            capability=".".join(str(v) for v in torch.cuda.get_device_capability(device)),
+            memory_bytes=int(props.total_memory),
+            cudnn=torch.backends.cudnn.version(),
+        )
         peak = dense_bf16_peak(info["name"])
         info["bf16_peak"] = {"gpu": peak[0], "flops_per_s": peak[1]} if peak else None
     else:
-        info.update(name=cpu_model_name(), threads=torch.get_num_threads(),
-                    cpu_capability=torch.backends.cpu.get_cpu_capability(), bf16_peak=None)
+        info.update(
+            name=cpu_model_name(),
+            threads=torch.get_num_threads(),
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            bf16_peak=None,
+        )
     return info
 
 
@@ -209,8 +224,13 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, min_seconds: f
     one = _seconds_of(product, 3, device) / 3  # also the warm-up (kernel selection, clocks)
     repeats = max(3, min(2000, math.ceil(min_seconds / max(one, 1e-9))))
     seconds = _seconds_of(product, repeats, device)
-    return {"dtype": str(dtype).removeprefix("torch."), "n": n, "repeats": repeats, "seconds": seconds,
-            "flops_per_s": 2.0 * n ** 3 * repeats / seconds}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "n": n,
+        "repeats": repeats,
+        "seconds": seconds,
+        "flops_per_s": 2.0 * n**3 * repeats / seconds,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ one configuration
@@ -281,22 +301,46 @@ def top_operators(profiler: torch.profiler.profile, device: torch.device, steps:
     rows = [row for row in rows if row[0] > 0]
     total_us = sum(r[0] for r in rows)
     rows.sort(reverse=True)
-    return {"time": "self device time" if device.type == "cuda" else "self CPU time", "steps": steps,
-            "total_ms_per_step": total_us / 1e3 / steps,
-            "operators": [{"operator": key, "ms_per_step": us / 1e3 / steps, "share_pct": 100.0 * us / total_us,
-                           "calls_per_step": calls / steps} for us, key, calls in rows[:count]]}
+    return {
+        "time": "self device time" if device.type == "cuda" else "self CPU time",
+        "steps": steps,
+        "total_ms_per_step": total_us / 1e3 / steps,
+        "operators": [
+            {
+                "operator": key,
+                "ms_per_step": us / 1e3 / steps,
+                "share_pct": 100.0 * us / total_us,
+                "calls_per_step": calls / steps,
+            }
+            for us, key, calls in rows[:count]
+        ],
+    }
 
 
-def measure(spec: MethodSpec, configuration: str, device: torch.device, steps: int, flops_per_step: float,
-            matmul_flops_per_s: float, peak_flops_per_s: float | None) -> dict[str, Any]:
+def measure(
+    spec: MethodSpec,
+    configuration: str,
+    device: torch.device,
+    steps: int,
+    flops_per_step: float,
+    matmul_flops_per_s: float,
+    peak_flops_per_s: float | None,
+) -> dict[str, Any]:
     """One configuration of one method: a fresh model trained ``steps`` warm-up + ``steps`` timed + profiled steps."""
     fast = configuration != "fp32"
     compile_backend = "inductor" if configuration == "compiled" else None
     fp = fast_path_for(device, fast)
-    run: dict[str, Any] = {"configuration": configuration, "fast_path": fast, "compile_backend": compile_backend,
-                           "precision": fp.precision, "channels_last": fp.channels_last,
-                           "grad_scaler": fp.grad_scaler, "warmup_steps": steps, "timed_steps": steps,
-                           "profiled_steps": PROFILED_STEPS}
+    run: dict[str, Any] = {
+        "configuration": configuration,
+        "fast_path": fast,
+        "compile_backend": compile_backend,
+        "precision": fp.precision,
+        "channels_last": fp.channels_last,
+        "grad_scaler": fp.grad_scaler,
+        "warmup_steps": steps,
+        "timed_steps": steps,
+        "profiled_steps": PROFILED_STEPS,
+    }
     cfg, t = spec.cfg, spec.cfg.train
     images = np.random.default_rng(0).integers(0, 256, (spec.batch, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -310,12 +354,25 @@ def measure(spec: MethodSpec, configuration: str, device: torch.device, steps: i
     method = build_ssl_model(cfg, seed=0)
     phases = StepPhases(device, steps, steps, profiler)
     try:
-        stats = train_ssl(method, images, epochs=2 * steps + PROFILED_STEPS, batch_size=spec.batch, lr=t.lr,
-                          optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay, device=device,
-                          fast_path=fast, drop_last=True, max_steps_per_epoch=1, seed=0,
-                          augment=build_augment(cfg, IMAGE_SIZE), epoch_hook=phases,
-                          log=lambda line: messages.append(line) if "compile" in line else None,
-                          compile_backend=compile_backend)
+        stats = train_ssl(
+            method,
+            images,
+            epochs=2 * steps + PROFILED_STEPS,
+            batch_size=spec.batch,
+            lr=t.lr,
+            optimizer=t.optimizer,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            device=device,
+            fast_path=fast,
+            drop_last=True,
+            max_steps_per_epoch=1,
+            seed=0,
+            augment=build_augment(cfg, IMAGE_SIZE),
+            epoch_hook=phases,
+            log=lambda line: messages.append(line) if "compile" in line else None,
+            compile_backend=compile_backend,
+        )
         phases.end_timing()
     except Exception as error:  # noqa: BLE001 - one failed configuration (out of memory, a compiler error) is recorded
         run["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
@@ -327,8 +384,15 @@ def measure(spec: MethodSpec, configuration: str, device: torch.device, steps: i
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    run.update(steps_run=stats.steps, loss=stats.loss, warmup_s=phases.warmup_s, timed_s=phases.timed_s,
-               compiled=stats.compiled, compile_fallback=stats.compile_fallback, messages=messages)
+    run.update(
+        steps_run=stats.steps,
+        loss=stats.loss,
+        warmup_s=phases.warmup_s,
+        timed_s=phases.timed_s,
+        compiled=stats.compiled,
+        compile_fallback=stats.compile_fallback,
+        messages=messages,
+    )
     if compile_backend and not stats.compiled:
         run["error"] = f"torch.compile ({compile_backend}) failed, the step ran eagerly: {stats.compile_fallback}"
         return run
@@ -350,8 +414,15 @@ def measure(spec: MethodSpec, configuration: str, device: torch.device, steps: i
 
 
 # ------------------------------------------------------------------------------------------------ the stage
-def run_throughput(out_dir: Path, *, device: str, scale: str, compile: bool | Sequence[str], steps: int | None,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_throughput(
+    out_dir: Path,
+    *,
+    device: str,
+    scale: str,
+    compile: bool | Sequence[str],
+    steps: int | None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Measure every method at ``scale`` on ``device`` (see the module docstring); write ``out_dir/throughput.json``
     and ``throughput.md``; return the record (``ok``: every fp32 and fast-path configuration was measured; a failed
     compilation is recorded with its reason and does not count against it). ``compile``: True compiles every
@@ -366,10 +437,15 @@ def run_throughput(out_dir: Path, *, device: str, scale: str, compile: bool | Se
     started = time.perf_counter()
     info = device_info(dev)
     configurations = [c for c in CONFIGURATIONS if compile or c != "compiled"]
-    command = (f"python3 -m fedssl_gpu.throughput --device {device} --scale {scale} --out {out_dir}"
-               + (" --compile" if compile else "") + f" --steps {steps}")
-    log(f"throughput: {scale} scale on {info['name']} ({dev}), {steps} warm-up + {steps} timed steps per "
-        f"configuration: {', '.join(configurations)}")
+    command = (
+        f"python3 -m fedssl_gpu.throughput --device {device} --scale {scale} --out {out_dir}"
+        + (" --compile" if compile else "")
+        + f" --steps {steps}"
+    )
+    log(
+        f"throughput: {scale} scale on {info['name']} ({dev}), {steps} warm-up + {steps} timed steps per "
+        f"configuration: {', '.join(configurations)}"
+    )
     fast_dtype = fast_path_for(dev, True).autocast_dtype
     # The GPU's ceiling is a bf16 product (tensor cores); a CPU's is its fast path's own dtype.
     matmul_dtype = torch.bfloat16 if dev.type == "cuda" else (fast_dtype or torch.float32)
@@ -378,25 +454,44 @@ def run_throughput(out_dir: Path, *, device: str, scale: str, compile: bool | Se
     peak = (info.get("bf16_peak") or {}).get("flops_per_s")
     per_image = _flops_per_image(scale)
     record: dict[str, Any] = {
-        "stage": "throughput", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": info,
-        "settings": {"command": command, "device": device, "scale": scale, "compile": compile, "steps": steps,
-                     "warmup_steps": steps, "profiled_steps": PROFILED_STEPS, "configurations": configurations,
-                     "flop_count_batch": FLOP_COUNT_BATCH, "image_size": IMAGE_SIZE,
-                     "cudnn_benchmark": torch.backends.cudnn.benchmark,
-                     "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-                     "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-                     "float32_matmul_precision": torch.get_float32_matmul_precision()},
-        "matmul": matmul, "methods": {},
+        "stage": "throughput",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": info,
+        "settings": {
+            "command": command,
+            "device": device,
+            "scale": scale,
+            "compile": compile,
+            "steps": steps,
+            "warmup_steps": steps,
+            "profiled_steps": PROFILED_STEPS,
+            "configurations": configurations,
+            "flop_count_batch": FLOP_COUNT_BATCH,
+            "image_size": IMAGE_SIZE,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
+        "matmul": matmul,
+        "methods": {},
     }
     ok = True
     for spec in method_specs(scale):
         probe = build_ssl_model(spec.cfg, seed=0)
         entry: dict[str, Any] = {
-            "label": METHOD_LABELS[spec.name], "config": spec.config_file, "model": describe_model(probe, spec.cfg),
-            "arch": spec.cfg.model.arch, "width": spec.cfg.model.width, "batch": spec.batch,
-            "optimizer": spec.cfg.train.optimizer, "parameters": sum(p.numel() for p in probe.parameters()),
+            "label": METHOD_LABELS[spec.name],
+            "config": spec.config_file,
+            "model": describe_model(probe, spec.cfg),
+            "arch": spec.cfg.model.arch,
+            "width": spec.cfg.model.width,
+            "batch": spec.batch,
+            "optimizer": spec.cfg.train.optimizer,
+            "parameters": sum(p.numel() for p in probe.parameters()),
             "trainable_parameters": sum(p.numel() for p in probe.trainable_parameters()),
-            "flops_per_image": per_image[spec.name], "flops_per_step": per_image[spec.name] * spec.batch, "runs": {},
+            "flops_per_image": per_image[spec.name],
+            "flops_per_step": per_image[spec.name] * spec.batch,
+            "runs": {},
         }
         del probe
         for configuration in configurations:
@@ -410,8 +505,10 @@ def run_throughput(out_dir: Path, *, device: str, scale: str, compile: bool | Se
                 ok = ok and configuration == "compiled"
                 log(f"throughput: {spec.name} {configuration}: FAILED: {run['error']}")
             else:
-                log(f"throughput: {spec.name} {configuration} ({run['precision']}): {run['images_per_s']:.0f} img/s, "
-                    f"{run['flops_per_s'] / 1e12:.3f} TFLOP/s")
+                log(
+                    f"throughput: {spec.name} {configuration} ({run['precision']}): {run['images_per_s']:.0f} img/s, "
+                    f"{run['flops_per_s'] / 1e12:.3f} TFLOP/s"
+                )
         measured = {c: r for c, r in entry["runs"].items() if "images_per_s" in r}
         fp32_rate = measured.get("fp32", {}).get("images_per_s")
         for configuration, run in measured.items():
@@ -437,7 +534,7 @@ def _num(value: float | None, fmt: str = ".0f", scale: float = 1.0) -> str:
 
 
 def _mib(value: float | None) -> str:
-    return "-" if value is None else f"{value / 2 ** 20:,.0f} MiB"
+    return "-" if value is None else f"{value / 2**20:,.0f} MiB"
 
 
 def throughput_markdown(record: dict[str, Any]) -> str:
@@ -445,46 +542,86 @@ def throughput_markdown(record: dict[str, Any]) -> str:
     cuda = info["type"] == "cuda"
     memory_key, memory_name = ("cuda_peak_bytes", "peak CUDA memory") if cuda else ("peak_rss_bytes", "peak RSS")
     peak = info.get("bf16_peak")
-    lines = [f"# Throughput of local SSL training: {info['name']}, {record['date']}, {s['scale']} scale", "",
-             f"Command: `{s['command']}`. torch {info['torch']}"
-             + (f", CUDA {info.get('cuda')}, cuDNN {info.get('cudnn')}, capability {info.get('capability')}"
-                if cuda else f", {info.get('threads')} threads ({info.get('cpu_capability')})")
-             + f". {s['warmup_steps']} warm-up, {s['steps']} timed and {s['profiled_steps']} profiled step(s) "
-             "per configuration, each step one batch of random 32x32 images through the client's loop "
-             "(`train_ssl`: augmentation on the device, both views, loss, backward, optimizer).", "",
-             f"Measured {mm['dtype']} matrix product ({mm['n']}x{mm['n']}): **{mm['flops_per_s'] / 1e12:.2f} "
-             f"TFLOP/s**" + (f"; {peak['gpu']} dense bf16 peak (data sheet): {peak['flops_per_s'] / 1e12:.1f} TFLOP/s "
-                             f"(the matmul reaches {100 * mm['flops_per_s'] / peak['flops_per_s']:.0f} % of it)."
-                             if peak else "; no tabulated bf16 peak for this device, so no MFU against one.")]
+    lines = [
+        f"# Throughput of local SSL training: {info['name']}, {record['date']}, {s['scale']} scale",
+        "",
+        f"Command: `{s['command']}`. torch {info['torch']}"
+        + (
+            f", CUDA {info.get('cuda')}, cuDNN {info.get('cudnn')}, capability {info.get('capability')}"
+            if cuda
+            else f", {info.get('threads')} threads ({info.get('cpu_capability')})"
+        )
+        + f". {s['warmup_steps']} warm-up, {s['steps']} timed and {s['profiled_steps']} profiled step(s) "
+        "per configuration, each step one batch of random 32x32 images through the client's loop "
+        "(`train_ssl`: augmentation on the device, both views, loss, backward, optimizer).",
+        "",
+        f"Measured {mm['dtype']} matrix product ({mm['n']}x{mm['n']}): **{mm['flops_per_s'] / 1e12:.2f} "
+        f"TFLOP/s**"
+        + (
+            f"; {peak['gpu']} dense bf16 peak (data sheet): {peak['flops_per_s'] / 1e12:.1f} TFLOP/s "
+            f"(the matmul reaches {100 * mm['flops_per_s'] / peak['flops_per_s']:.0f} % of it)."
+            if peak
+            else "; no tabulated bf16 peak for this device, so no MFU against one."
+        ),
+    ]
     if cuda:
-        lines += ["", (f"fp32 settings as the project trains: cuDNN TF32 {s['cudnn_allow_tf32']}, matmul TF32 "
-                  f"{s['matmul_allow_tf32']}, cudnn.benchmark {s['cudnn_benchmark']}.")]
-    lines += ["", "## Summary", "",
-              ("| method | model | batch | fp32 img/s | fast img/s | fast / fp32 | compiled img/s | fastest: TFLOP/s | "
-              f"MFU % | % of matmul | {memory_name} |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                f"fp32 settings as the project trains: cuDNN TF32 {s['cudnn_allow_tf32']}, matmul TF32 "
+                f"{s['matmul_allow_tf32']}, cudnn.benchmark {s['cudnn_benchmark']}."
+            ),
+        ]
+    lines += [
+        "",
+        "## Summary",
+        "",
+        (
+            "| method | model | batch | fp32 img/s | fast img/s | fast / fp32 | compiled img/s | fastest: TFLOP/s | "
+            f"MFU % | % of matmul | {memory_name} |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for entry in record["methods"].values():
         runs = entry["runs"]
         best = runs.get(entry.get("fastest", ""), {})
         compiled = runs.get("compiled")
-        compiled_cell = ("-" if compiled is None else
-                         "failed" if "error" in compiled else _num(compiled.get("images_per_s")))
+        compiled_cell = (
+            "-" if compiled is None else "failed" if "error" in compiled else _num(compiled.get("images_per_s"))
+        )
         lines.append(
             f"| {entry['label']} | {entry['model']} | {entry['batch']} | {_num(runs['fp32'].get('images_per_s'))} | "
             f"{_num(runs['fast'].get('images_per_s'))} | {_num(entry.get('fast_over_fp32'), '.2f')} | "
             f"{compiled_cell} | "
             f"{_num(best.get('flops_per_s'), '.3f', 1e12)} ({entry.get('fastest', '-')}) | "
             f"{_num(best.get('mfu_pct'), '.1f')} | {_num(best.get('matmul_util_pct'), '.1f')} | "
-            f"{_mib(best.get(memory_key))} |")
-    lines += ["", ("MFU: model FLOPs (both views' forward and backward, counted with `torch.utils.flop_counter`, "
-              "2 per multiply-add; not the augmentation or the optimizer) per second over the dense bf16 peak; "
-              "% of matmul: over the measured matrix product above.")]
+            f"{_mib(best.get(memory_key))} |"
+        )
+    lines += [
+        "",
+        (
+            "MFU: model FLOPs (both views' forward and backward, counted with `torch.utils.flop_counter`, "
+            "2 per multiply-add; not the augmentation or the optimizer) per second over the dense bf16 peak; "
+            "% of matmul: over the measured matrix product above."
+        ),
+    ]
     for entry in record["methods"].values():
-        lines += ["", f"## {entry['label']}: {entry['model']}, batch {entry['batch']}, {entry['optimizer']}", "",
-                  (f"From `{entry['config']}`; {entry['parameters']:,} parameters ({entry['trainable_parameters']:,} "
-                  f"trained by the optimizer); {entry['flops_per_image'] / 1e9:.3f} GFLOP per image, "
-                  f"{entry['flops_per_step'] / 1e12:.4f} TFLOP per step."), "",
-                  (f"| configuration | precision | img/s | x fp32 | ms / step | TFLOP/s | MFU % | % of matmul | "
-                  f"{memory_name} | warm-up s |"), "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {entry['label']}: {entry['model']}, batch {entry['batch']}, {entry['optimizer']}",
+            "",
+            (
+                f"From `{entry['config']}`; {entry['parameters']:,} parameters ({entry['trainable_parameters']:,} "
+                f"trained by the optimizer); {entry['flops_per_image'] / 1e9:.3f} GFLOP per image, "
+                f"{entry['flops_per_step'] / 1e12:.4f} TFLOP per step."
+            ),
+            "",
+            (
+                f"| configuration | precision | img/s | x fp32 | ms / step | TFLOP/s | MFU % | % of matmul | "
+                f"{memory_name} | warm-up s |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, run in entry["runs"].items():
             shown = {"fp32": "plain fp32", "fast": "fast path", "compiled": "fast path + torch.compile"}[name]
             if "error" in run:
@@ -495,14 +632,24 @@ def throughput_markdown(record: dict[str, Any]) -> str:
                 f"| {shown} | {run['precision']}{' + channels-last' if run['channels_last'] else ''} | "
                 f"{run['images_per_s']:.0f} | {_num(run.get('over_fp32'), '.2f')} | {run['step_ms']:.1f} | "
                 f"{run['flops_per_s'] / 1e12:.3f} | {_num(run['mfu_pct'], '.1f')} | {run['matmul_util_pct']:.1f} | "
-                f"{_mib(run.get(memory_key))} | {run['warmup_s']:.1f} |")
+                f"{_mib(run.get(memory_key))} | {run['warmup_s']:.1f} |"
+            )
         profile = entry.get("profile") or {}
         if profile.get("operators"):
-            lines += ["", (f"Top operators of the fastest configuration ({profile['configuration']}), {profile['time']} "
-                      f"of {profile['steps']} profiled step(s): {profile['total_ms_per_step']:.2f} ms per step in all."),
-                      "", "| operator | ms / step | share % | calls / step |", "|---|---|---|---|"]
-            lines += [f"| `{op['operator']}` | {op['ms_per_step']:.3f} | {op['share_pct']:.1f} | "
-                      f"{op['calls_per_step']:g} |" for op in profile["operators"]]
+            lines += [
+                "",
+                (
+                    f"Top operators of the fastest configuration ({profile['configuration']}), {profile['time']} "
+                    f"of {profile['steps']} profiled step(s): {profile['total_ms_per_step']:.2f} ms per step in all."
+                ),
+                "",
+                "| operator | ms / step | share % | calls / step |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{op['operator']}` | {op['ms_per_step']:.3f} | {op['share_pct']:.1f} | {op['calls_per_step']:g} |"
+                for op in profile["operators"]
+            ]
     lines += ["", f"Stage time: {record['seconds']:.0f} s. Every figure: `throughput.json`.", ""]
     return "\n".join(lines)
 
@@ -513,16 +660,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", choices=SCALES, default="paper")
     ap.add_argument("--out", required=True, help="folder for throughput.json and throughput.md")
     ap.add_argument("--compile", action="store_true", help="also the fast path through torch.compile (inductor)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"timed steps per configuration, as many warm-up steps (default: {TIMED_STEPS})")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per configuration, as many warm-up steps (default: {TIMED_STEPS})",
+    )
     args = ap.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("throughput: --device cuda but CUDA is not available on this machine")
         return 2
-    record = run_throughput(Path(args.out), device=args.device, scale=args.scale, compile=args.compile,
-                            steps=args.steps)
+    record = run_throughput(
+        Path(args.out), device=args.device, scale=args.scale, compile=args.compile, steps=args.steps
+    )
     print((Path(args.out) / "throughput.md").read_text())
     return 0 if record["ok"] else 1
 

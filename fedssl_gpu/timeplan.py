@@ -47,9 +47,13 @@ class Assumptions:
         unknown = sorted(set(raw) - names)
         missing = sorted(names - set(raw))
         if unknown or missing:
-            raise ValueError(f"{where}: " + "; ".join(
-                ([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
-                + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
+            raise ValueError(
+                f"{where}: "
+                + "; ".join(
+                    ([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
+                    + ([f"missing key(s) {', '.join(missing)}"] if missing else [])
+                )
+            )
         values = {}
         for name in names:
             value = raw[name]
@@ -89,9 +93,16 @@ def run_estimate(cfg, assumed: Assumptions) -> dict[str, float]:
     tree = cfg.to_dict()
     archs = [cfg.client_arch(i) for i in range(cfg.federation.num_clients)]
     # what the model depends on (client_archs needs the federation's size to validate)
-    per_arch = {a: _model_flops(json.dumps({"config": {k: tree[k] for k in ("model", "method", "federation")},
-                                            "arch": a},
-                                           sort_keys=True, default=str)) for a in sorted(set(archs))}
+    per_arch = {
+        a: _model_flops(
+            json.dumps(
+                {"config": {k: tree[k] for k in ("model", "method", "federation")}, "arch": a},
+                sort_keys=True,
+                default=str,
+            )
+        )
+        for a in sorted(set(archs))
+    }
     train_flops = sum(per_arch[a][0] for a in archs) / len(archs)
     forward_flops = sum(per_arch[a][1] for a in archs) / len(archs)
     d, t, e, f = cfg.data, cfg.train, cfg.eval, cfg.federation
@@ -105,18 +116,25 @@ def run_estimate(cfg, assumed: Assumptions) -> dict[str, float]:
     central = cfg.strategy.name == "central"
     trained = cfg.rounds * t.local_epochs * (held if central else per_round_clients * per_client)
     eval_images = min(e.max_train or assumed.train_images, assumed.train_images) + min(
-        e.max_test or assumed.test_images, assumed.test_images)
+        e.max_test or assumed.test_images, assumed.test_images
+    )
     knn_runs = cfg.rounds // e.knn_every if e.knn_every else 0
     evaluations = knn_runs + 2  # the kNN monitors, the final scores, the random-init reference
     flops = trained * train_flops + evaluations * eval_images * forward_flops
     seconds = flops / (assumed.train_tflops * 1e12) + assumed.run_start_s + cfg.rounds * assumed.round_overhead_s
-    return {"seconds": seconds, "flops": flops, "images_trained": float(trained),
-            "train_flops_per_image": train_flops, "forward_flops_per_image": forward_flops,
-            "evaluated_images": float(evaluations * eval_images)}
+    return {
+        "seconds": seconds,
+        "flops": flops,
+        "images_trained": float(trained),
+        "train_flops_per_image": train_flops,
+        "forward_flops_per_image": forward_flops,
+        "evaluated_images": float(evaluations * eval_images),
+    }
 
 
-def throughput_estimate(methods_flops: Mapping[str, float], steps: int, configurations: int,
-                        assumed: Assumptions) -> float:
+def throughput_estimate(
+    methods_flops: Mapping[str, float], steps: int, configurations: int, assumed: Assumptions
+) -> float:
     """Seconds of the throughput stage: ``steps`` timed steps (plus as many warm-up steps) of every method, once in
     fp32 and ``configurations - 1`` times on the fast path."""
     seconds = 0.0

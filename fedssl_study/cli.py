@@ -36,28 +36,52 @@ def say(line: str) -> None:
 
 
 def study_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedssl-study", description="Run a study (variants x seeds as real `flwr run` "
-                                 "runs, one after another) and report it.")
+    ap = argparse.ArgumentParser(
+        prog="fedssl-study",
+        description="Run a study (variants x seeds as real `flwr run` runs, one after another) and report it.",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every (variant, seed) of a study file, then write its report")
     run.add_argument("study", help="the study file (YAML)")
     run.add_argument("--out", default=None, help="the study folder (default: ./outputs/studies/<study name>)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="an override for every run, e.g. --set data.path=/data/cifar10.npz (repeatable)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for every run, e.g. --set data.path=/data/cifar10.npz (repeatable)",
+    )
     run.add_argument("--variants", nargs="+", default=None, help="only these variants")
     run.add_argument("--seeds", nargs="+", type=int, default=None, help="only these seeds (instead of the file's)")
-    run.add_argument("--connection", default=None, metavar="SUPERLINK",
-                     help="a SuperLink connection of your $FLWR_HOME/config.toml (a deployed federation, or a "
-                          "simulation on a Ray cluster), as `flwr run . <connection>`; default: a private local "
-                          "simulation started and stopped by the study")
-    run.add_argument("--federation-config", default=None,
-                     help="added to every run's --federation-config (e.g. 'client-resources-num-cpus=1'); the "
-                          "private simulation's size comes from each run's federation.num_clients")
-    run.add_argument("--run-timeout", type=float, default=None, metavar="S",
-                     help="stop a run that has no result after S seconds and go on with the next")
-    run.add_argument("--reuse", action="append", default=[], metavar="STUDY_DIR",
-                     help="another study folder (repeatable): a run of the same experiment (same resolved config and "
-                          "seed) finished there is copied instead of run again")
+    run.add_argument(
+        "--connection",
+        default=None,
+        metavar="SUPERLINK",
+        help="a SuperLink connection of your $FLWR_HOME/config.toml (a deployed federation, or a "
+        "simulation on a Ray cluster), as `flwr run . <connection>`; default: a private local "
+        "simulation started and stopped by the study",
+    )
+    run.add_argument(
+        "--federation-config",
+        default=None,
+        help="added to every run's --federation-config (e.g. 'client-resources-num-cpus=1'); the "
+        "private simulation's size comes from each run's federation.num_clients",
+    )
+    run.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop a run that has no result after S seconds and go on with the next",
+    )
+    run.add_argument(
+        "--reuse",
+        action="append",
+        default=[],
+        metavar="STUDY_DIR",
+        help="another study folder (repeatable): a run of the same experiment (same resolved config and "
+        "seed) finished there is copied instead of run again",
+    )
     run.add_argument("--dry-run", action="store_true", help="check the study and list its runs; run nothing")
     rep = sub.add_parser("report", help="(re)write the report of a study folder")
     rep.add_argument("study_dir")
@@ -85,8 +109,10 @@ def study_main(argv: list[str] | None = None) -> int:
     from .runner import StudyRunner, run_folder
 
     runs = study.runs()
-    say(f"study {study.name!r}: {len(study.variants)} variants x {len(study.seeds)} seeds = {len(runs)} runs, "
-        f"one after another, into {study_dir}")
+    say(
+        f"study {study.name!r}: {len(study.variants)} variants x {len(study.seeds)} seeds = {len(runs)} runs, "
+        f"one after another, into {study_dir}"
+    )
     for other in args.reuse:
         if not (Path(other) / "runs").is_dir():
             print(f"fedssl-study: --reuse {other}: not a study folder (no runs/ inside)", file=sys.stderr)
@@ -119,15 +145,29 @@ def study_main(argv: list[str] | None = None) -> int:
     from .launcher import Launcher
     from .report import report_study
 
-    launcher = Launcher(connection=args.connection, flwr_home=study_dir / ".flwr",
-                        federation_config=args.federation_config)
-    outcomes = StudyRunner(study, study_dir, launcher, say=say, run_timeout_s=args.run_timeout,
-                           command=command, reuse=[Path(d) for d in args.reuse]).run()
+    launcher = Launcher(
+        connection=args.connection, flwr_home=study_dir / ".flwr", federation_config=args.federation_config
+    )
+    outcomes = StudyRunner(
+        study,
+        study_dir,
+        launcher,
+        say=say,
+        run_timeout_s=args.run_timeout,
+        command=command,
+        reuse=[Path(d) for d in args.reuse],
+    ).run()
     report = report_study(study_dir)
     failed = [o for o in outcomes if o.status == "failed"]
     interrupted = any(o.status == "interrupted" for o in outcomes)
-    say(f"report: {report}" + (f"; {len(failed)} run(s) failed: " + "; ".join(
-        f"{o.variant} seed {o.seed}: {o.reason}" for o in failed) if failed else ""))
+    say(
+        f"report: {report}"
+        + (
+            f"; {len(failed)} run(s) failed: " + "; ".join(f"{o.variant} seed {o.seed}: {o.reason}" for o in failed)
+            if failed
+            else ""
+        )
+    )
     if interrupted:
         say("interrupted: run the same command again to continue the study")
         return 130
@@ -174,8 +214,10 @@ def run_main(argv: list[str] | None = None) -> int:
     run_configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--run-config", "-c")]
     app_dir = Path(positional[0] if positional else ".").expanduser()
     if not (app_dir / "pyproject.toml").is_file():
-        print(f"fedssl-run: {app_dir} holds no pyproject.toml (give the app's folder first, as flwr run does)",
-              file=sys.stderr)
+        print(
+            f"fedssl-run: {app_dir} holds no pyproject.toml (give the app's folder first, as flwr run does)",
+            file=sys.stderr,
+        )
         return 2
     try:
         given = parse_config_args(run_configs) if run_configs else {}
@@ -185,9 +227,11 @@ def run_main(argv: list[str] | None = None) -> int:
     known = app_run_config_keys(app_dir)
     for key in given:
         if key not in known:
-            print(f"fedssl-run: run-config key {key!r} is not a setting of this app{closest(key, known)}; the keys are "
-                  "the YAML settings (train.lr, strategy.options.mu, ...) and config, output-dir, resume",
-                  file=sys.stderr)
+            print(
+                f"fedssl-run: run-config key {key!r} is not a setting of this app{closest(key, known)}; the keys are "
+                "the YAML settings (train.lr, strategy.options.mu, ...) and config, output-dir, resume",
+                file=sys.stderr,
+            )
             return 2
     num_clients = None  # a resumed run's: not known here
     if not given.get("resume"):  # a resumed run uses its own config: nothing more to check here
@@ -208,8 +252,11 @@ def run_main(argv: list[str] | None = None) -> int:
 
     args, share = flwr_run_args_with_gpu_share(args, num_clients)
     if share:
-        print(f"fedssl-run: this machine has NVIDIA GPUs: the local simulation's clients get {share} (set "
-              "--federation-config \"client-resources-num-gpus=F\" to choose another share)", file=sys.stderr)
+        print(
+            f"fedssl-run: this machine has NVIDIA GPUs: the local simulation's clients get {share} (set "
+            '--federation-config "client-resources-num-gpus=F" to choose another share)',
+            file=sys.stderr,
+        )
     return run_and_report_outcome([flwr_cli(), "run", *args], streamed="--stream" in args)
 
 
@@ -239,8 +286,11 @@ def run_and_report_outcome(cmd: list[str], streamed: bool) -> int:
     status = run_status(cmd[0], run_id, flwr_run_connection(cmd[2:]))
     if status == "finished:completed":
         return 0
-    print(f"fedssl-run: run {run_id} ended {status or 'with an unknown status'} (flwr ls --run-id {run_id}); "
-          "its progress.log says why", file=sys.stderr)
+    print(
+        f"fedssl-run: run {run_id} ended {status or 'with an unknown status'} (flwr ls --run-id {run_id}); "
+        "its progress.log says why",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -252,7 +302,7 @@ def run_status(flwr: str, run_id: int, connection: str | None) -> str | None:
     for _ in range(10):  # the SuperLink records the end a moment after the stream closes
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
-            runs = json.loads(out[out.index("{"):]).get("runs", [])
+            runs = json.loads(out[out.index("{") :]).get("runs", [])
         except (subprocess.TimeoutExpired, ValueError, OSError):
             runs = []
         status = next((str(r.get("status", "")) for r in runs if int(r.get("run-id", -1)) == run_id), "")
@@ -263,16 +313,24 @@ def run_status(flwr: str, run_id: int, connection: str | None) -> str | None:
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedssl-report", description="Compare finished runs (their output folders): "
-                                 "report.md, report.csv and plots; the seeds of one experiment form one row.")
+    ap = argparse.ArgumentParser(
+        prog="fedssl-report",
+        description="Compare finished runs (their output folders): "
+        "report.md, report.csv and plots; the seeds of one experiment form one row.",
+    )
     ap.add_argument("runs", nargs="+", help="run output folders (each with summary.json)")
     ap.add_argument("--out", default=".", help="where report.md / report.csv / the plots go (default: here)")
     args = ap.parse_args(argv)
     from .report import report_runs
 
     try:
-        print(report_runs([Path(p) for p in args.runs], Path(args.out),
-                          command="fedssl-report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))))
+        print(
+            report_runs(
+                [Path(p) for p in args.runs],
+                Path(args.out),
+                command="fedssl-report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            )
+        )
     except FileNotFoundError as exc:
         print(f"fedssl-report: {exc}", file=sys.stderr)
         return 2

@@ -69,7 +69,7 @@ def published_study(name: str, root: Path = PUBLISHED) -> PublishedStudy | None:
 
 
 def family(arch: str) -> str:
-    """"vit" or "resnet": the architectures whose achieved rates on a CPU are alike (a ViT's attention runs at a
+    """ "vit" or "resnet": the architectures whose achieved rates on a CPU are alike (a ViT's attention runs at a
     fraction of a ResNet's convolutions' rate)."""
     return "vit" if arch.startswith("vit") else "resnet"
 
@@ -120,9 +120,17 @@ def counted_estimate(cfg, rates: list[float], train_images: int, test_images: in
     from fedssl_gpu.timeplan import Assumptions, run_estimate
 
     median = statistics.median(rates)
-    assumed = Assumptions(train_tflops=median, fp32_tflops=median, run_start_s=1e-9, round_overhead_s=1e-9,
-                          pytest_s=1.0, throughput_overhead_s=1.0, compile_s=1.0, train_images=max(1, train_images),
-                          test_images=max(1, test_images))
+    assumed = Assumptions(
+        train_tflops=median,
+        fp32_tflops=median,
+        run_start_s=1e-9,
+        round_overhead_s=1e-9,
+        pytest_s=1.0,
+        throughput_overhead_s=1.0,
+        compile_s=1.0,
+        train_images=max(1, train_images),
+        test_images=max(1, test_images),
+    )
     flops = run_estimate(cfg, assumed)["flops"]
     return RunEstimate(flops / (median * 1e12), flops / (max(rates) * 1e12), flops / (min(rates) * 1e12), "counted")
 
@@ -168,18 +176,25 @@ class StudyEstimator:
 
     def source_line(self) -> str:
         if self.published is not None:
-            where = self.published.folder.relative_to(APP_DIR) if self.published.folder.is_relative_to(APP_DIR) \
+            where = (
+                self.published.folder.relative_to(APP_DIR)
+                if self.published.folder.is_relative_to(APP_DIR)
                 else self.published.folder
-            note = (f"; your --set {', '.join(self.changed)} may change it" if self.changed else "")
-            return f"times measured: the mean run s of each variant in the published report {where}, on " \
-                   f"{self.published.machine}{note}"
+            )
+            note = f"; your --set {', '.join(self.changed)} may change it" if self.changed else ""
+            return (
+                f"times measured: the mean run s of each variant in the published report {where}, on "
+                f"{self.published.machine}{note}"
+            )
         if not self.rates:
             return "no estimate: no published report of this study, and none to take a rate from"
-        return (f"times counted, not measured (no published report of this study): each run's training and evaluation "
-                f"FLOPs at the {min(self.rates):.3f}-{max(self.rates):.3f} TFLOP/s (median "
-                f"{statistics.median(self.rates):.3f}) the published CPU studies of this architecture family ran at on "
-                "2 cores; server-side "
-                "training (FLESD, Hetero-SSFL) not counted")
+        return (
+            f"times counted, not measured (no published report of this study): each run's training and evaluation "
+            f"FLOPs at the {min(self.rates):.3f}-{max(self.rates):.3f} TFLOP/s (median "
+            f"{statistics.median(self.rates):.3f}) the published CPU studies of this architecture family ran at on "
+            "2 cores; server-side "
+            "training (FLESD, Hetero-SSFL) not counted"
+        )
 
     def total_line(self, estimates: list[RunEstimate | None]) -> str:
         known = [e for e in estimates if e is not None]
@@ -188,8 +203,13 @@ class StudyEstimator:
         low, mid, high = (sum(e.low for e in known), sum(e.seconds for e in known), sum(e.high for e in known))
         spread = f" ({clock(low)} to {clock(high)})" if high > low * 1.05 else ""
         missing = len(estimates) - len(known)
-        start = f"plus {START_UP_S[0] * len(estimates) / 60:.0f}-{START_UP_S[1] * len(estimates) / 60:.0f} min of " \
-                f"start-up ({START_UP_S[0]:.0f}-{START_UP_S[1]:.0f} s per run on 2 cores, not in the run times)"
+        start = (
+            f"plus {START_UP_S[0] * len(estimates) / 60:.0f}-{START_UP_S[1] * len(estimates) / 60:.0f} min of "
+            f"start-up ({START_UP_S[0]:.0f}-{START_UP_S[1]:.0f} s per run on 2 cores, not in the run times)"
+        )
         gpu = "; at this scale a run wants a GPU" if mid / max(1, len(known)) > 4 * 3600 else ""
-        return (f"estimated time for the {len(known)} run(s) to do: about {clock(mid)}{spread}, {start}"
-                + (f"; {missing} run(s) without an estimate" if missing else "") + gpu)
+        return (
+            f"estimated time for the {len(known)} run(s) to do: about {clock(mid)}{spread}, {start}"
+            + (f"; {missing} run(s) without an estimate" if missing else "")
+            + gpu
+        )

@@ -183,8 +183,14 @@ class LaunchError(RuntimeError):
 class Launcher:
     """Runs ``flwr run`` / ``flwr ls`` / ``flwr stop`` for one study."""
 
-    def __init__(self, *, connection: str | None = None, flwr_home: Path | None = None,
-                 federation_config: str | None = None, app_dir: Path = APP_DIR) -> None:
+    def __init__(
+        self,
+        *,
+        connection: str | None = None,
+        flwr_home: Path | None = None,
+        federation_config: str | None = None,
+        app_dir: Path = APP_DIR,
+    ) -> None:
         self.connection = connection
         self.app_dir = Path(app_dir)
         self.federation_config = federation_config
@@ -197,9 +203,13 @@ class Launcher:
         if connection is None:  # a SuperLink of our own: its own home and ports, stopped by close()
             self.private_home = Path(flwr_home or (Path.cwd() / ".flwr-study")).resolve()
             self.private_home.mkdir(parents=True, exist_ok=True)
-            self.env.update({"FLWR_HOME": str(self.private_home),
-                             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-                             "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())})
+            self.env.update(
+                {
+                    "FLWR_HOME": str(self.private_home),
+                    "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+                    "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+                }
+            )
 
     @property
     def simulation(self) -> bool:
@@ -210,8 +220,16 @@ class Launcher:
         return [flwr_cli(), *args]
 
     def _call(self, args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
-        return subprocess.run(args, cwd=self.app_dir, env=self.env, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+        return subprocess.run(
+            args,
+            cwd=self.app_dir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
 
     def submit(self, run_config: str, num_supernodes: int | None = None) -> int:
         """Start a run; returns its id. ``num_supernodes`` sizes the private simulation (ignored on a connection
@@ -233,7 +251,7 @@ class Launcher:
         proc = self._call(args, timeout=300.0)
         out = (proc.stdout or "").strip()
         try:
-            reply = json.loads(out[out.index("{"):]) if "{" in out else {}
+            reply = json.loads(out[out.index("{") :]) if "{" in out else {}
         except ValueError:
             reply = {}
         run_id = reply.get("run-id", reply.get("run_id"))
@@ -252,7 +270,7 @@ class Launcher:
         try:
             proc = self._call(args, timeout=60.0)
             out = proc.stdout.strip()
-            reply = json.loads(out[out.index("{"):])
+            reply = json.loads(out[out.index("{") :])
         except (subprocess.TimeoutExpired, ValueError):
             return None
         for run in reply.get("runs", []):
@@ -282,15 +300,28 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
     """The environment of a private local SuperLink: its own FLWR_HOME and free ports, no runtime dependency
     installation, no telemetry, this Python environment's console scripts on PATH."""
     env = dict(os.environ)
-    env.update({"FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-                "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
-def flwr_run(run_config: str, flwr_home: Path, timeout_s: float = 600, federation_config: str | None = None,
-             app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
+def flwr_run(
+    run_config: str,
+    flwr_home: Path,
+    timeout_s: float = 600,
+    federation_config: str | None = None,
+    app_dir: Path = APP_DIR,
+) -> subprocess.CompletedProcess:
     """``flwr run <app> --stream`` on a private local SuperLink (``flwr_home``); returns the finished process (output
     captured) after stopping every process that SuperLink started, so no daemon outlives the call. On a GPU machine
     the clients get a GPU share (``with_gpu_share``) unless ``federation_config`` sets one."""
@@ -300,8 +331,16 @@ def flwr_run(run_config: str, flwr_home: Path, timeout_s: float = 600, federatio
     if federation_config:
         cmd += ["--federation-config", federation_config]
     try:
-        return subprocess.run(cmd, cwd=app_dir, env=env, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)
+        return subprocess.run(
+            cmd,
+            cwd=app_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     finally:
         kill_processes_with_env("FLWR_HOME", str(flwr_home))
 
@@ -323,10 +362,17 @@ def run_experiment(raw: dict, timeout_s: float = 3600, keep_dir: Path | None = N
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "cfg.yaml").write_text(yaml.safe_dump(raw))
         t0 = time.perf_counter()
-        proc = flwr_run(f"config='{folder / 'cfg.yaml'}' output-dir='{folder / 'out'}'", folder / "flwr",
-                        federation_config=f"num-supernodes={raw['federation']['num_clients']}", timeout_s=timeout_s)
+        proc = flwr_run(
+            f"config='{folder / 'cfg.yaml'}' output-dir='{folder / 'out'}'",
+            folder / "flwr",
+            federation_config=f"num-supernodes={raw['federation']['num_clients']}",
+            timeout_s=timeout_s,
+        )
         summary = folder / "out" / "summary.json"
         if not summary.is_file():
             raise RuntimeError(f"{raw.get('name')} failed:\n" + (proc.stdout + proc.stderr)[-3000:])
-        return {"summary": json.loads(summary.read_text()), "rounds": read_jsonl(folder / "out" / "metrics.jsonl"),
-                "run_s": time.perf_counter() - t0}
+        return {
+            "summary": json.loads(summary.read_text()),
+            "rounds": read_jsonl(folder / "out" / "metrics.jsonl"),
+            "run_s": time.perf_counter() - t0,
+        }

@@ -139,8 +139,9 @@ def read_run(folder: Path, variant: str | None = None, seed: int | None = None) 
         name = str(summary.get("name") or folder.name)
         suffix = f"-seed{cfg.get('seed')}"
         variant = name.removesuffix(suffix)
-    return RunData(folder, str(variant), int(seed if seed is not None else info.get("seed", cfg.get("seed", 0))),
-                   summary, rounds)
+    return RunData(
+        folder, str(variant), int(seed if seed is not None else info.get("seed", cfg.get("seed", 0))), summary, rounds
+    )
 
 
 def study_runs(study_dir: Path) -> tuple[list[RunData], list[str]]:
@@ -244,31 +245,66 @@ def alignment_lines(runs: list[RunData], order: list[str]) -> list[str]:
         norms = "; ".join(
             f"{a} {statistics.mean([f[a] for f in first if a in f]):.3g} -> "
             f"{statistics.mean([x[a] for x in last if a in x]):.3g}"
-            for a in archs if any(a in f for f in first) and any(a in x for x in last))
-        lines.append(f"| {variant} | {' '.join(f'r{r} {a:.3f}->{b:.3f}' for r, a, b in pairs)} | "
-                     f"{statistics.mean(changes):+.3f} | {sum(c < 0 for c in changes)} of {len(changes)} | "
-                     f"{norms or '-'} |")
+            for a in archs
+            if any(a in f for f in first) and any(a in x for x in last)
+        )
+        lines.append(
+            f"| {variant} | {' '.join(f'r{r} {a:.3f}->{b:.3f}' for r, a, b in pairs)} | "
+            f"{statistics.mean(changes):+.3f} | {sum(c < 0 for c in changes)} of {len(changes)} | "
+            f"{norms or '-'} |"
+        )
     if not lines:
         return []
-    return ["<!-- --8<-- [start:alignment] -->", "",
-            ("Alignment: the clients' mean CKA(K_k, K_bar) on the whole RAD per round, before -> after local training "
+    return [
+        "<!-- --8<-- [start:alignment] -->",
+        "",
+        (
+            "Alignment: the clients' mean CKA(K_k, K_bar) on the whole RAD per round, before -> after local training "
             "(mean over the row's seeds); the mean within-round change; the rounds in which it fell; the clients' "
-            "raw ||H K H||_F per architecture, first -> last round."), "",
-            ("| row | CKA to K_bar per round, before -> after training | mean change | rounds it fell "
-            "| kernel norm (first -> last round) |"), "|---|---|---|---|---|", *lines, "",
-            "<!-- --8<-- [end:alignment] -->"]
+            "raw ||H K H||_F per architecture, first -> last round."
+        ),
+        "",
+        (
+            "| row | CKA to K_bar per round, before -> after training | mean change | rounds it fell "
+            "| kernel norm (first -> last round) |"
+        ),
+        "|---|---|---|---|---|",
+        *lines,
+        "",
+        "<!-- --8<-- [end:alignment] -->",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- tables
-CSV_COLUMNS = ("row", "kind", "arch", "seeds", "linear_probe_mean", "linear_probe_std", "knn_mean", "knn_std",
-               "linear_probe_gain_mean", "linear_probe_gain_std", "linear_probe_per_seed", "gain_per_seed",
-               "rounds", "bytes_up_per_client_mib", "bytes_down_per_client_mib", "client_tflops", "run_s_mean")
+CSV_COLUMNS = (
+    "row",
+    "kind",
+    "arch",
+    "seeds",
+    "linear_probe_mean",
+    "linear_probe_std",
+    "knn_mean",
+    "knn_std",
+    "linear_probe_gain_mean",
+    "linear_probe_gain_std",
+    "linear_probe_per_seed",
+    "gain_per_seed",
+    "rounds",
+    "bytes_up_per_client_mib",
+    "bytes_down_per_client_mib",
+    "client_tflops",
+    "run_s_mean",
+)
 
 
 def row_figures(row: Row) -> dict[str, Any]:
     lp, knn, gain = row.values("linear_probe_acc"), row.values("knn_acc"), row.values("linear_probe_gain_over_random")
-    out: dict[str, Any] = {"row": row.label, "kind": row.kind, "arch": row.arch or "",
-                           "seeds": " ".join(str(r.seed) for r in row.runs)}
+    out: dict[str, Any] = {
+        "row": row.label,
+        "kind": row.kind,
+        "arch": row.arch or "",
+        "seeds": " ".join(str(r.seed) for r in row.runs),
+    }
     for name, values in (("linear_probe", lp), ("knn", knn), ("linear_probe_gain", gain)):
         m, s = mean_std(values)
         out[f"{name}_mean"], out[f"{name}_std"] = m, s
@@ -278,10 +314,12 @@ def row_figures(row: Row) -> dict[str, Any]:
         return out
     runs = row.runs
     out["rounds"] = " ".join(sorted({str(r.summary.get("rounds_completed", "")) for r in runs}))
-    out["bytes_up_per_client_mib"] = statistics.mean(r.summary.get("bytes_up_total", 0) / r.num_clients
-                                                     for r in runs) / 2**20
-    out["bytes_down_per_client_mib"] = statistics.mean(r.summary.get("bytes_down_total", 0) / r.num_clients
-                                                       for r in runs) / 2**20
+    out["bytes_up_per_client_mib"] = (
+        statistics.mean(r.summary.get("bytes_up_total", 0) / r.num_clients for r in runs) / 2**20
+    )
+    out["bytes_down_per_client_mib"] = (
+        statistics.mean(r.summary.get("bytes_down_total", 0) / r.num_clients for r in runs) / 2**20
+    )
     flops = [r.client_flops for r in runs]
     # a mean over some of the seeds would read as the row's: a row with an uncounted run shows none
     out["client_tflops"] = statistics.mean(flops) / 1e12 if flops and all(flops) else None
@@ -294,15 +332,17 @@ def not_ranked(rows: list[Row], figures: list[dict[str, Any]]) -> list[str]:
     notes = []
     scored = [(r, f) for r, f in zip(rows, figures) if f["linear_probe_mean"] is not None]
     for i, (ra, fa) in enumerate(scored):
-        for rb, fb in scored[i + 1:]:
+        for rb, fb in scored[i + 1 :]:
             if ra.arch != rb.arch or (fa["linear_probe_std"] is None and fb["linear_probe_std"] is None):
                 continue
             spread = (fa["linear_probe_std"] or 0.0) + (fb["linear_probe_std"] or 0.0)
             gap = abs(fa["linear_probe_mean"] - fb["linear_probe_mean"])
             if gap < spread:
-                notes.append(f"{ra.label} and {rb.label}: linear probe {fa['linear_probe_mean']:.2f} vs "
-                             f"{fb['linear_probe_mean']:.2f}, {gap:.2f} points apart, less than their seed spread "
-                             f"({spread:.2f}): not ranked")
+                notes.append(
+                    f"{ra.label} and {rb.label}: linear probe {fa['linear_probe_mean']:.2f} vs "
+                    f"{fb['linear_probe_mean']:.2f}, {gap:.2f} points apart, less than their seed spread "
+                    f"({spread:.2f}): not ranked"
+                )
     return notes
 
 
@@ -318,10 +358,12 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
         commit = p.get("git_commit") or info.get("study_git_commit")
         dirty = p.get("git_dirty") if p.get("git_commit") else info.get("study_git_dirty")
         v = p.get("versions", {})
-        text = (f"Python {v.get('python', '?')}, torch {v.get('torch', '?')}, torchvision {v.get('torchvision', '?')}, "
-                f"flwr {v.get('flwr', '?')}, numpy {v.get('numpy', '?')}; device {p.get('device', '?')}; "
-                f"app code {str(p.get('app_digest', '?'))[:12]}, commit {commit[:12] if commit else 'unknown'}"
-                f"{' with uncommitted changes' if dirty else ''}")
+        text = (
+            f"Python {v.get('python', '?')}, torch {v.get('torch', '?')}, torchvision {v.get('torchvision', '?')}, "
+            f"flwr {v.get('flwr', '?')}, numpy {v.get('numpy', '?')}; device {p.get('device', '?')}; "
+            f"app code {str(p.get('app_digest', '?'))[:12]}, commit {commit[:12] if commit else 'unknown'}"
+            f"{' with uncommitted changes' if dirty else ''}"
+        )
         seen.setdefault(text, []).append(f"{run.variant} seed {run.seed}")
     if not seen:
         return ["(these runs record no provenance)"]
@@ -331,18 +373,32 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
 def scale_line(runs: list[RunData]) -> str:
     """The runs' scale in words, from the first run's config (what the rows share)."""
     cfg = runs[0].config
-    d, m, t, f, e = cfg.get("data", {}), cfg.get("model", {}), cfg.get("train", {}), cfg.get("federation", {}), \
-        cfg.get("eval", {})
+    d, m, t, f, e = (
+        cfg.get("data", {}),
+        cfg.get("model", {}),
+        cfg.get("train", {}),
+        cfg.get("federation", {}),
+        cfg.get("eval", {}),
+    )
     archs = sorted({a for r in runs for a in (r.config.get("model", {}).get("client_archs") or [])}) or [m.get("arch")]
-    return (f"{cfg.get('rounds')} rounds x {t.get('local_epochs')} local epochs, batch {t.get('batch_size')}, "
-            f"{f.get('num_clients')} clients ({d.get('partition')}), {d.get('dataset')} "
-            f"{('max ' + str(d.get('max_train')) + ' train images') if d.get('max_train') else 'all train images'}, "
-            f"{', '.join(map(str, archs))} width {m.get('width')}; scored on {e.get('max_train') or 'all'} labelled "
-            f"train and {e.get('max_test') or 'all'} test images")
+    return (
+        f"{cfg.get('rounds')} rounds x {t.get('local_epochs')} local epochs, batch {t.get('batch_size')}, "
+        f"{f.get('num_clients')} clients ({d.get('partition')}), {d.get('dataset')} "
+        f"{('max ' + str(d.get('max_train')) + ' train images') if d.get('max_train') else 'all train images'}, "
+        f"{', '.join(map(str, archs))} width {m.get('width')}; scored on {e.get('max_train') or 'all'} labelled "
+        f"train and {e.get('max_test') or 'all'} test images"
+    )
 
 
-def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title: str,
-                 command: str | list[str] = "", missing: list[str] | None = None) -> Path:
+def write_report(
+    out_dir: Path,
+    runs: list[RunData],
+    order: list[str],
+    *,
+    title: str,
+    command: str | list[str] = "",
+    missing: list[str] | None = None,
+) -> Path:
     """Write report.md, report.csv and the plots into ``out_dir``; returns report.md's path. ``command``: the
     command that produced the runs, or the several, oldest first, that filled a study folder."""
     out_dir = Path(out_dir)
@@ -353,8 +409,12 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     for f in figures:
-        writer.writerow({k: ("" if f.get(k) is None else (round(f[k], 4) if isinstance(f.get(k), float) else f[k]))
-                         for k in CSV_COLUMNS})
+        writer.writerow(
+            {
+                k: ("" if f.get(k) is None else (round(f[k], 4) if isinstance(f.get(k), float) else f[k]))
+                for k in CSV_COLUMNS
+            }
+        )
     (out_dir / "report.csv").write_text(buffer.getvalue())
     lines = [f"# {title}", ""]
     commands = [command] if isinstance(command, str) else list(command)
@@ -364,32 +424,50 @@ def write_report(out_dir: Path, runs: list[RunData], order: list[str], *, title:
     elif commands:
         lines += ["Commands, in the order they ran into this folder:", ""] + [f"- `{c}`" for c in commands] + [""]
     if runs:
-        lines += ["<!-- --8<-- [start:scale] -->",
-                  (f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
-                  "Accuracies in %; mean ± sample standard deviation over the row's seeds (no ± with one seed); "
-                  "gain = linear probe minus the same seed's random-init encoder, in points."),
-                  "<!-- --8<-- [end:scale] -->", ""]
+        lines += [
+            "<!-- --8<-- [start:scale] -->",
+            (
+                f"Scale: {scale_line(runs)}. Seeds: {', '.join(str(s) for s in sorted({r.seed for r in runs}))}. "
+                "Accuracies in %; mean ± sample standard deviation over the row's seeds (no ± with one seed); "
+                "gain = linear probe minus the same seed's random-init encoder, in points."
+            ),
+            "<!-- --8<-- [end:scale] -->",
+            "",
+        ]
     # the table and its notes between snippet markers: a docs page includes them with "report.md:table"
-    lines += ["<!-- --8<-- [start:table] -->", "",
-              ("| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
-              "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "<!-- --8<-- [start:table] -->",
+        "",
+        (
+            "| row | seeds | linear probe | kNN | gain over random init | per-seed linear probe | per-seed gain "
+            "| rounds | up / client (MiB) | down / client (MiB) | client TFLOP | run s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in figures:
+
         def num(key: str, digits: int = 1, f: dict = f) -> str:
             return "-" if f.get(key) is None else f"{f[key]:,.{digits}f}"
 
-        lines.append(f"| {f['row']} | {f['seeds']} | {fmt(f['linear_probe_mean'], f['linear_probe_std'])} | "
-                     f"{fmt(f['knn_mean'], f['knn_std'])} | "
-                     f"{fmt(f['linear_probe_gain_mean'], f['linear_probe_gain_std']) if f['kind'] != 'random init' else '0'} | "
-                     f"{f['linear_probe_per_seed'] or '-'} | {f['gain_per_seed'] or '-'} | {f.get('rounds') or '-'} | "
-                     f"{num('bytes_up_per_client_mib')} | {num('bytes_down_per_client_mib')} | {num('client_tflops')} | "
-                     f"{num('run_s_mean', 0)} |")
+        lines.append(
+            f"| {f['row']} | {f['seeds']} | {fmt(f['linear_probe_mean'], f['linear_probe_std'])} | "
+            f"{fmt(f['knn_mean'], f['knn_std'])} | "
+            f"{fmt(f['linear_probe_gain_mean'], f['linear_probe_gain_std']) if f['kind'] != 'random init' else '0'} | "
+            f"{f['linear_probe_per_seed'] or '-'} | {f['gain_per_seed'] or '-'} | {f.get('rounds') or '-'} | "
+            f"{num('bytes_up_per_client_mib')} | {num('bytes_down_per_client_mib')} | {num('client_tflops')} | "
+            f"{num('run_s_mean', 0)} |"
+        )
     notes = not_ranked(rows, figures)
     if notes:
         lines += ["", "Within their seed spread (not ranked):", ""] + [f"- {n}" for n in notes]
     if any(r.client_flops is None and r.config.get("strategy", {}).get("name") == "heterossfl" for r in runs):
-        lines += ["", ("Client TFLOP \"-\": a Hetero-SSFL run recorded before its alignment term's RAD passes were "
-                  "counted (its record holds the SSL steps' FLOPs only).")]
+        lines += [
+            "",
+            (
+                'Client TFLOP "-": a Hetero-SSFL run recorded before its alignment term\'s RAD passes were '
+                "counted (its record holds the SSL steps' FLOPs only)."
+            ),
+        ]
     if missing:
         lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
     lines += ["", "<!-- --8<-- [end:table] -->"]
@@ -440,8 +518,10 @@ def draw_scores(rows: list[Row]):
     scored = [(r, seeds, *mean_std(seeds)) for r, seeds in scored if seeds]
     if not scored:
         return None
-    colors = ["0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
-              for r, *_ in scored]
+    colors = [
+        "0.6" if r.kind == "random init" else ("tab:green" if r.kind == "centralized" else "tab:blue")
+        for r, *_ in scored
+    ]
     means, errors = [m for _, _, m, _ in scored], [s or 0.0 for _, _, _, s in scored]
     labels = [r.label for r, *_ in scored]
     top = max(max(seeds) for _, seeds, _, _ in scored)
@@ -492,8 +572,14 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
                 if row.arch is not None:
                     by_model = record.get("knn_acc_by_model") or {}
                     archs = run.config.get("model", {}).get("client_archs") or []
-                    vals = [v for name, v in by_model.items() if v is not None and name.startswith("client_")
-                            and int(name.split("_")[1]) < len(archs) and archs[int(name.split("_")[1])] == row.arch]
+                    vals = [
+                        v
+                        for name, v in by_model.items()
+                        if v is not None
+                        and name.startswith("client_")
+                        and int(name.split("_")[1]) < len(archs)
+                        and archs[int(name.split("_")[1])] == row.arch
+                    ]
                     value = statistics.mean(vals) if vals else None
                 elif record.get("knn_acc_by_model") and row.runs[0].summary.get("scores_by_model"):
                     continue  # the per-architecture rows draw these runs
@@ -505,17 +591,20 @@ def draw_plots(out_dir: Path, rows: list[Row]) -> list[Path]:
         mean = [statistics.mean(curves[x]) for x in xs]
         # past the colour cycle's last colour, a new line style tells the curves apart
         style = ("-", "--", "-.", ":")[drawn // colours_in_cycle % 4]
-        line, = ax.plot(xs, mean, marker="o", markersize=3, linestyle=style, label=row.label)
+        (line,) = ax.plot(xs, mean, marker="o", markersize=3, linestyle=style, label=row.label)
         if any(len(curves[x]) > 1 for x in xs):
-            ax.fill_between(xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], alpha=0.15,
-                            color=line.get_color())
+            ax.fill_between(
+                xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], alpha=0.15, color=line.get_color()
+            )
         drawn += 1
     if drawn:
         references = [r for r in rows if r.kind == "random init"]
         for row in references:  # each seed's initial encoder: a dashed level per architecture
             values = row.values("knn_acc")
             if values:
-                ax.axhline(statistics.mean(values), color="0.5", linestyle="--", linewidth=1, label=f"{row.label} (kNN)")
+                ax.axhline(
+                    statistics.mean(values), color="0.5", linestyle="--", linewidth=1, label=f"{row.label} (kNN)"
+                )
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -557,11 +646,20 @@ def report_study(study_dir: Path, command: str = "") -> Path:
     """``fedssl-study report``: the report of a study folder (every finished run)."""
     study_dir = Path(study_dir)
     runs, order = study_runs(study_dir)
-    unfinished = sorted(p.name for p in (study_dir / "runs").glob("*") if not (p / "summary.json").is_file()) \
-        if (study_dir / "runs").is_dir() else []
+    unfinished = (
+        sorted(p.name for p in (study_dir / "runs").glob("*") if not (p / "summary.json").is_file())
+        if (study_dir / "runs").is_dir()
+        else []
+    )
     record = study_record(study_dir)
-    return write_report(study_dir, runs, order, title=f"Study {record.get('study', study_dir.name)}",
-                        command=[command] if command else study_commands(record), missing=unfinished)
+    return write_report(
+        study_dir,
+        runs,
+        order,
+        title=f"Study {record.get('study', study_dir.name)}",
+        command=[command] if command else study_commands(record),
+        missing=unfinished,
+    )
 
 
 def report_runs(folders: list[Path], out_dir: Path, command: str = "") -> Path:

@@ -113,9 +113,18 @@ def _clock(seconds: float) -> str:
 class StudyRunner:
     """Runs a ``Study`` into ``study_dir`` through a ``Launcher``; ``say`` prints a progress line."""
 
-    def __init__(self, study: Study, study_dir: Path, launcher: Launcher, *, say: Callable[[str], None] = print,
-                 poll_s: float = 3.0, run_timeout_s: float | None = None, command: str = "",
-                 reuse: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        study: Study,
+        study_dir: Path,
+        launcher: Launcher,
+        *,
+        say: Callable[[str], None] = print,
+        poll_s: float = 3.0,
+        run_timeout_s: float | None = None,
+        command: str = "",
+        reuse: list[Path] | None = None,
+    ) -> None:
         self.study, self.dir, self.launcher, self.say = study, Path(study_dir).resolve(), launcher, say
         self.reuse = [Path(d).resolve() for d in (reuse or [])]
         self.poll_s, self.run_timeout_s, self.command = poll_s, run_timeout_s, command
@@ -128,10 +137,18 @@ class StudyRunner:
         commands = study_commands(study_record(self.dir))
         if self.command and (not commands or commands[-1] != self.command):
             commands.append(self.command)
-        record = {"study": self.study.name, "file": str(self.study.path), "base": str(self.study.base),
-                  "seeds": self.study.seeds, "overrides": self.study.overrides, "variants": self.study.variants,
-                  "variant_order": self.study.variant_order or list(self.study.variants),
-                  "command": self.command, "commands": commands, "description": self.study.description}
+        record = {
+            "study": self.study.name,
+            "file": str(self.study.path),
+            "base": str(self.study.base),
+            "seeds": self.study.seeds,
+            "overrides": self.study.overrides,
+            "variants": self.study.variants,
+            "variant_order": self.study.variant_order or list(self.study.variants),
+            "command": self.command,
+            "commands": commands,
+            "description": self.study.description,
+        }
         (self.dir / "study.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
 
     def run(self) -> list[RunOutcome]:
@@ -148,10 +165,13 @@ class StudyRunner:
                     # Ctrl-C / SIGTERM outside a run's polling loop (while a run is submitted, between runs): the
                     # study stops as cleanly as inside it. Closing the launcher below stops the private SuperLink
                     # and any run it had started; the run resumes from its checkpoint, or starts again.
-                    self.say(f"[{index}/{len(runs)}] {variant}, seed {seed}: interrupted before its run was under "
-                             "way (the study continues with it when started again)")
-                    outcome = RunOutcome(variant, seed, run_folder(self.dir, variant, seed), "interrupted",
-                                         reason="interrupted")
+                    self.say(
+                        f"[{index}/{len(runs)}] {variant}, seed {seed}: interrupted before its run was under "
+                        "way (the study continues with it when started again)"
+                    )
+                    outcome = RunOutcome(
+                        variant, seed, run_folder(self.dir, variant, seed), "interrupted", reason="interrupted"
+                    )
                 outcomes.append(outcome)
                 if outcome.status == "interrupted":
                     break
@@ -194,18 +214,25 @@ class StudyRunner:
         info_path = folder / "run.json"
         info = json.loads(info_path.read_text()) if info_path.is_file() else {"attempts": []}
         commit, dirty = git_state()
-        info.update(variant=variant, seed=seed, study=self.study.name, config_hash=config_hash(resolved),
-                    study_git_commit=commit, study_git_dirty=dirty)
-        run_config = (f"resume='{folder}'" if resume else f"config='{folder / 'config.yaml'}' output-dir='{folder}'")
-        self.say(f"{head}: {'resuming after round ' + str(rounds_done(folder)) if resume else 'starting'} "
-                 f"({cfg.rounds} rounds, {cfg.federation.num_clients} clients) in {folder}")
+        info.update(
+            variant=variant,
+            seed=seed,
+            study=self.study.name,
+            config_hash=config_hash(resolved),
+            study_git_commit=commit,
+            study_git_dirty=dirty,
+        )
+        run_config = f"resume='{folder}'" if resume else f"config='{folder / 'config.yaml'}' output-dir='{folder}'"
+        self.say(
+            f"{head}: {'resuming after round ' + str(rounds_done(folder)) if resume else 'starting'} "
+            f"({cfg.rounds} rounds, {cfg.federation.num_clients} clients) in {folder}"
+        )
         started = time.monotonic()
         try:
             run_id = self.launcher.submit(run_config, cfg.federation.num_clients)
         except LaunchError as exc:
             return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", 0.0, str(exc)), head)
-        info["attempts"].append({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                 "resumed": resume})
+        info["attempts"].append({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed": resume})
         info_path.write_text(json.dumps(info, indent=2))
         seen = -1
         try:
@@ -216,23 +243,41 @@ class StudyRunner:
                     seen = done
                     elapsed = time.monotonic() - started
                     remaining = total - index
-                    self.say(f"{head}: round {done}/{cfg.rounds}, {_clock(elapsed)} in this run; "
-                             f"{self.eta(remaining, elapsed, done / cfg.rounds)}")
+                    self.say(
+                        f"{head}: round {done}/{cfg.rounds}, {_clock(elapsed)} in this run; "
+                        f"{self.eta(remaining, elapsed, done / cfg.rounds)}"
+                    )
                 if status is not None:
                     break
                 if self.run_timeout_s and time.monotonic() - started > self.run_timeout_s:
                     self.launcher.stop(run_id)
-                    return self._finish(info, info_path, RunOutcome(
-                        variant, seed, folder, "failed", time.monotonic() - started,
-                        f"no result after {self.run_timeout_s:.0f} s (--run-timeout); stopped"), head)
+                    return self._finish(
+                        info,
+                        info_path,
+                        RunOutcome(
+                            variant,
+                            seed,
+                            folder,
+                            "failed",
+                            time.monotonic() - started,
+                            f"no result after {self.run_timeout_s:.0f} s (--run-timeout); stopped",
+                        ),
+                        head,
+                    )
                 time.sleep(self.poll_s)
         except KeyboardInterrupt:
-            self.say(f"{head}: interrupted: stopping run {run_id} (the study continues from its last checkpoint "
-                     "when started again)")
+            self.say(
+                f"{head}: interrupted: stopping run {run_id} (the study continues from its last checkpoint "
+                "when started again)"
+            )
             self.launcher.stop(run_id)
             self.launcher.close()
-            return self._finish(info, info_path, RunOutcome(variant, seed, folder, "interrupted",
-                                                            time.monotonic() - started, "interrupted"), head)
+            return self._finish(
+                info,
+                info_path,
+                RunOutcome(variant, seed, folder, "interrupted", time.monotonic() - started, "interrupted"),
+                head,
+            )
         seconds = time.monotonic() - started
         if (folder / "summary.json").is_file():
             self.durations.append(seconds)
@@ -247,8 +292,14 @@ class StudyRunner:
             shutil.rmtree(folder)
         shutil.copytree(source, folder, ignore=shutil.ignore_patterns(*NOT_COPIED))
         origin = f"{source.parent.parent.name}/{RUNS}/{source.name}"  # <study folder>/runs/<run>
-        info = {"variant": variant, "seed": seed, "study": self.study.name, "config_hash": config_hash(resolved),
-                "reused_from": origin, "attempts": []}
+        info = {
+            "variant": variant,
+            "seed": seed,
+            "study": self.study.name,
+            "config_hash": config_hash(resolved),
+            "reused_from": origin,
+            "attempts": [],
+        }
         old = folder / "run.json"
         if old.is_file():  # the source's own record: its commit and attempts (where and when it really ran)
             try:
@@ -264,18 +315,24 @@ class StudyRunner:
 
     def _finish(self, info: dict, info_path: Path, outcome: RunOutcome, head: str) -> RunOutcome:
         if info.get("attempts"):
-            info["attempts"][-1].update(outcome=outcome.status, seconds=round(outcome.seconds, 1),
-                                        reason=outcome.reason)
+            info["attempts"][-1].update(
+                outcome=outcome.status, seconds=round(outcome.seconds, 1), reason=outcome.reason
+            )
         info_path.parent.mkdir(parents=True, exist_ok=True)
         info_path.write_text(json.dumps(info, indent=2))
         if outcome.status == "finished":
             summary = json.loads((outcome.folder / "summary.json").read_text())
             lp, knn = summary.get("linear_probe_acc"), summary.get("knn_acc")
-            scores = ", ".join(f"{name} {100 * v:.2f} %" for name, v in (("linear probe", lp), ("kNN", knn))
-                               if v is not None)
+            scores = ", ".join(
+                f"{name} {100 * v:.2f} %" for name, v in (("linear probe", lp), ("kNN", knn)) if v is not None
+            )
             run_s = summary.get("run_s")  # the ServerApp's own time: the report's "run s"
-            inside = (f" (the run itself {_clock(float(run_s))}, the report's run s; the rest is starting and "
-                      "stopping the federation)" if isinstance(run_s, (int, float)) else "")
+            inside = (
+                f" (the run itself {_clock(float(run_s))}, the report's run s; the rest is starting and "
+                "stopping the federation)"
+                if isinstance(run_s, (int, float))
+                else ""
+            )
             self.say(f"{head}: done in {_clock(outcome.seconds)}{inside}: {scores}")
         elif outcome.status == "failed":
             self.say(f"{head}: FAILED: {outcome.reason}")

@@ -70,16 +70,25 @@ def slug(text: str) -> str:
 
 
 def _seeds(value: Any, where: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                            for s in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in value)
+    ):
         raise ConfigError(f"{where}: must be a non-empty list of integers (got {value!r})")
     if len(set(value)) != len(value):
         raise ConfigError(f"{where}: lists a seed twice ({value!r})")
     return list(value)
 
 
-def load_study(path: str | Path, overrides: Mapping[str, Any] | None = None, *, seeds: list[int] | None = None,
-               variants: list[str] | None = None, validate: bool = True) -> Study:
+def load_study(
+    path: str | Path,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    seeds: list[int] | None = None,
+    variants: list[str] | None = None,
+    validate: bool = True,
+) -> Study:
     """Read and check a study file. ``overrides`` (dotted keys, e.g. ``data.path``) apply to every variant after
     the study's own; ``seeds`` / ``variants`` narrow the study (names must exist). With ``validate`` every run's
     experiment config is resolved and validated as the ServerApp would (``validate_experiment``)."""
@@ -111,17 +120,24 @@ def load_study(path: str | Path, overrides: Mapping[str, Any] | None = None, *, 
     file_overrides = raw.get("overrides") or {}
     if not isinstance(file_overrides, Mapping):
         raise ConfigError(f"overrides: must be a mapping of overrides (got {file_overrides!r})")
-    study = Study(name=str(raw.get("study") or path.stem), path=path, base=base,
-                  seeds=_seeds(raw.get("seeds", [0]), "seeds"), variants=parsed,
-                  overrides=merge_config(file_overrides, overrides or {}), description=str(raw.get("description", "")),
-                  variant_order=list(parsed))
+    study = Study(
+        name=str(raw.get("study") or path.stem),
+        path=path,
+        base=base,
+        seeds=_seeds(raw.get("seeds", [0]), "seeds"),
+        variants=parsed,
+        overrides=merge_config(file_overrides, overrides or {}),
+        description=str(raw.get("description", "")),
+        variant_order=list(parsed),
+    )
     if seeds is not None:
         study.seeds = _seeds(list(seeds), "--seeds")
     if variants:
         missing = [v for v in variants if v not in study.variants]
         if missing:
-            raise ConfigError(f"--variants: {missing[0]!r} is not a variant of {path.name} "
-                              f"(variants: {', '.join(study.variants)})")
+            raise ConfigError(
+                f"--variants: {missing[0]!r} is not a variant of {path.name} (variants: {', '.join(study.variants)})"
+            )
         study.variants = {v: study.variants[v] for v in variants}
     if validate:
         for variant, seed in study.runs():

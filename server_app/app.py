@@ -61,8 +61,10 @@ class FederationMismatch(RuntimeError):
 def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
     """Map partition id -> node id by asking every node (``query.info``); check the federation size."""
     n = cfg.federation.num_clients
-    how = (f"set the federation size to match, e.g. `flwr run . --federation-config \"num-supernodes={n}\"` "
-           f"in simulation, or start {n} SuperNodes with num-partitions={n}; or set federation.num_clients")
+    how = (
+        f'set the federation size to match, e.g. `flwr run . --federation-config "num-supernodes={n}"` '
+        f"in simulation, or start {n} SuperNodes with num-partitions={n}; or set federation.num_clients"
+    )
     # In a simulation every node exists when the ServerApp starts: a shortfall will not heal, so say so at once.
     simulated = type(grid).__name__ == "InMemoryGrid"
     deadline = time.monotonic() + (min(5.0, cfg.federation.node_wait_s) if simulated else cfg.federation.node_wait_s)
@@ -74,8 +76,9 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
         say(f"waiting for clients: {len(nodes)}/{n} nodes connected")
         time.sleep(2.0)
     if len(nodes) != n:
-        raise FederationMismatch(f"the experiment has federation.num_clients={n} but the federation has "
-                                 f"{len(nodes)} nodes: {how}")
+        raise FederationMismatch(
+            f"the experiment has federation.num_clients={n} but the federation has {len(nodes)} nodes: {how}"
+        )
     clients: dict[int, int] = {}
     hosts: dict[str, int] = {}  # clients per host, to show where the federation runs
     # A node listed but not yet active (a SuperNode recreated a moment ago) is asked again within the node wait.
@@ -88,8 +91,10 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
             raise RuntimeError(f"node {info.node_id} failed to report its partition: {info.error}")
         pid, num = info.partition_id, info.num_partitions
         if num != n:
-            raise FederationMismatch(f"node {info.node_id} holds partition {pid} of {num}, but "
-                                     f"the experiment has federation.num_clients={n}: {how}")
+            raise FederationMismatch(
+                f"node {info.node_id} holds partition {pid} of {num}, but "
+                f"the experiment has federation.num_clients={n}: {how}"
+            )
         if pid in clients:
             raise FederationMismatch(f"two nodes claim partition-id {pid}: give every node its own partition-id")
         clients[pid] = info.node_id
@@ -120,8 +125,9 @@ class ServerEvaluator:
         depth = {"depth": model.depth} if model.depth else {}
         self.depths[model.arch] = model.depth
         if (model.arch, model.depth) not in self.models:
-            self.models[(model.arch, model.depth)] = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=model.arch,
-                                                                     **depth)
+            self.models[(model.arch, model.depth)] = build_ssl_model(
+                self.cfg, seed=self.cfg.seed, arch=model.arch, **depth
+            )
         ssl_model = self.models[(model.arch, model.depth)]
         load_partial_state(ssl_model, from_array_record(model.arrays))
         return ssl_model.backbone
@@ -131,16 +137,35 @@ class ServerEvaluator:
         so that ``fedssl-eval`` on the same data file reproduces the run's own numbers."""
         e = self.cfg.eval
         train_seed, test_seed = eval_subset_seeds(self.cfg)
-        return {"knn_k": e.knn_k, "knn_temperature": e.knn_temperature, "probe_epochs": e.probe_epochs,
-                "seed": self.cfg.seed, "max_train": e.max_train or None, "max_test": e.max_test or None,
-                "train_subset_seed": train_seed, "test_subset_seed": test_seed,
-                "data": self.cfg.data.path or self.cfg.data.dataset}
+        return {
+            "knn_k": e.knn_k,
+            "knn_temperature": e.knn_temperature,
+            "probe_epochs": e.probe_epochs,
+            "seed": self.cfg.seed,
+            "max_train": e.max_train or None,
+            "max_test": e.max_test or None,
+            "train_subset_seed": train_seed,
+            "test_subset_seed": test_seed,
+            "data": self.cfg.data.path or self.cfg.data.dataset,
+        }
 
     def _score(self, backbone: torch.nn.Module, *, knn: bool, linear: bool) -> dict[str, Any]:
         e = self.cfg.eval
-        return evaluate_backbone(backbone, self.x_train, self.y_train, self.x_test, self.y_test,
-                                 self.num_classes, device=self.device, knn=knn, linear=linear, knn_k=e.knn_k,
-                                 knn_temperature=e.knn_temperature, probe_epochs=e.probe_epochs, seed=self.cfg.seed)
+        return evaluate_backbone(
+            backbone,
+            self.x_train,
+            self.y_train,
+            self.x_test,
+            self.y_test,
+            self.num_classes,
+            device=self.device,
+            knn=knn,
+            linear=linear,
+            knn_k=e.knn_k,
+            knn_temperature=e.knn_temperature,
+            probe_epochs=e.probe_epochs,
+            seed=self.cfg.seed,
+        )
 
     def evaluate(self, model: ModelToEvaluate, *, knn: bool, linear: bool) -> dict[str, Any]:
         return self._score(self.load(model), knn=knn, linear=linear)
@@ -150,12 +175,15 @@ class ServerEvaluator:
         initial global model and every client's first model are), never trained, scored with the same protocol; a
         grown ViT at the depth of the latest model of ``arch`` scored."""
         depth = self.depths.get(arch)
-        backbone = build_ssl_model(self.cfg, seed=self.cfg.seed, arch=arch, **({"depth": depth} if depth else {})).backbone
+        backbone = build_ssl_model(
+            self.cfg, seed=self.cfg.seed, arch=arch, **({"depth": depth} if depth else {})
+        ).backbone
         scores = self._score(backbone, knn=True, linear=linear)
         return {"knn_acc": scores["knn_acc"], "linear_probe_acc": scores["linear_probe_acc"]}
 
-    def evaluate_models(self, models: dict[str, ModelToEvaluate], *, knn: bool, linear: bool
-                        ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    def evaluate_models(
+        self, models: dict[str, ModelToEvaluate], *, knn: bool, linear: bool
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Scores of one or several encoders. With several (Min-Local: every client's own), the headline
         scores are the minimum over them, and each model's scores are returned too."""
         by_model = {name: self.evaluate(model, knn=knn, linear=linear) for name, model in models.items()}
@@ -184,13 +212,16 @@ def stop_run(say, what: str, *errors: type[BaseException]):
 
 
 def failed_note(record: dict) -> str:
-    """", 1 failed (client 1: Node Unavailable ...)" for the progress line, or nothing."""
+    """ ", 1 failed (client 1: Node Unavailable ...)" for the progress line, or nothing."""
     failed = record.get("failed_clients") or []
     if not failed:
         return ""
     # a Ray out-of-memory reason, or a simulated ClientApp's traceback, runs to kilobytes: its own message only
-    return f", {len(failed)} failed (" + "; ".join(f"client {f['id']}: {readable_reason(f['reason'], 160)}"
-                                                   for f in failed) + ")"
+    return (
+        f", {len(failed)} failed ("
+        + "; ".join(f"client {f['id']}: {readable_reason(f['reason'], 160)}" for f in failed)
+        + ")"
+    )
 
 
 def _mb(n: int) -> str:
@@ -201,8 +232,12 @@ def _gain(score: float | None, reference: float | None) -> float | None:
     return None if score is None or reference is None else score - reference
 
 
-def random_init_entries(scores: dict[str, Any], by_model: dict[str, dict[str, Any]], model_archs: dict[str, str],
-                        reference: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def random_init_entries(
+    scores: dict[str, Any],
+    by_model: dict[str, dict[str, Any]],
+    model_archs: dict[str, str],
+    reference: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """summary.json entries that read the scores against the random-init reference of each model's architecture:
     ``random_init`` (per architecture), the headline gains (with several models: the smallest gain over them, as
     the headline scores are the minimum) and each model's own gains (added to ``by_model`` in place)."""
@@ -215,9 +250,11 @@ def random_init_entries(scores: dict[str, Any], by_model: dict[str, dict[str, An
                 by_model[name][f"{key}_gain_over_random"] = gain
             if gain is not None:
                 gains[key].append(gain)
-    return {"random_init": reference,
-            "linear_probe_gain_over_random": min(gains["linear_probe"]) if gains["linear_probe"] else None,
-            "knn_gain_over_random": min(gains["knn"]) if gains["knn"] else None}
+    return {
+        "random_init": reference,
+        "linear_probe_gain_over_random": min(gains["linear_probe"]) if gains["linear_probe"] else None,
+        "knn_gain_over_random": min(gains["knn"]) if gains["knn"] else None,
+    }
 
 
 def _pct(value: float | None) -> str:
@@ -250,8 +287,9 @@ def check_writable(folder: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"output-dir: cannot write to {folder} ({exc.strerror or exc}); give a folder this "
-                          "ServerApp can write") from None
+        raise ConfigError(
+            f"output-dir: cannot write to {folder} ({exc.strerror or exc}); give a folder this ServerApp can write"
+        ) from None
 
 
 def ignored_on_resume(run_config: Mapping[str, Any], cfg: ExperimentConfig, limit: int = 8) -> str:
@@ -267,8 +305,10 @@ def ignored_on_resume(run_config: Mapping[str, Any], cfg: ExperimentConfig, limi
         else:
             diffs = sorted(dotted_differences(given.to_dict(), cfg.to_dict()) - {"name", "output_dir", "data.path"})
             if diffs:
-                shown = ", ".join(f"{k} ({_dotted_get(given.to_dict(), k)!r}; the run's {_dotted_get(cfg.to_dict(), k)!r})"
-                                  for k in diffs[:limit])
+                shown = ", ".join(
+                    f"{k} ({_dotted_get(given.to_dict(), k)!r}; the run's {_dotted_get(cfg.to_dict(), k)!r})"
+                    for k in diffs[:limit]
+                )
                 more = f" and {len(diffs) - limit} more" if len(diffs) > limit else ""
                 parts.append(f"the given config's {shown}{more} ignored")
     return "; " + "; ".join(parts) if parts else ""
@@ -298,18 +338,26 @@ def check_checkpoint_fits(cfg: ExperimentConfig, global_arrays: Mapping[str, np.
         return  # no global model (Hetero-SSFL): nothing to compare
     model = build_ssl_model(cfg, seed=cfg.seed)  # a layer-wise run's full-depth model holds every grown block
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
     def fits(value, shape: tuple) -> bool:  # a scalar (BatchNorm's counter) may be stored as one element
         return tuple(np.shape(value)) == shape or (np.size(value) == 1 and int(np.prod(shape)) == 1)
 
-    wrong = [f"{k} is {tuple(np.shape(v))} in the checkpoint, {shapes[k]} in the model" for k, v in global_arrays.items()
-             if k in shapes and not fits(v, shapes[k])]
+    wrong = [
+        f"{k} is {tuple(np.shape(v))} in the checkpoint, {shapes[k]} in the model"
+        for k, v in global_arrays.items()
+        if k in shapes and not fits(v, shapes[k])
+    ]
     unknown = [k for k in global_arrays if k not in shapes]
     if wrong or unknown:
         details = wrong[:limit] + [f"{k} is not in the model" for k in unknown[:limit]]
         more = len(wrong) + len(unknown) - len(details)
-        raise ConfigError(f"resume: the checkpoint's global model does not fit the model of its config "
-                          f"({cfg.method.name} on {cfg.model.arch}, width {cfg.model.width}): " + "; ".join(details)
-                          + (f"; and {more} more" if more > 0 else "") + " (written by other code, or edited?)")
+        raise ConfigError(
+            f"resume: the checkpoint's global model does not fit the model of its config "
+            f"({cfg.method.name} on {cfg.model.arch}, width {cfg.model.width}): "
+            + "; ".join(details)
+            + (f"; and {more} more" if more > 0 else "")
+            + " (written by other code, or edited?)"
+        )
 
 
 def register_stop_handler(handler) -> None:
@@ -342,8 +390,9 @@ def main(grid: Grid, context: Context) -> None:
             config_path = Path(str(checkpoint.meta.get("config_file", "")))
         else:
             if roots is not None:
-                confine(resolve_config_path(str(context.run_config.get("config", "") or DEFAULT_CONFIG)), "config",
-                        roots)
+                confine(
+                    resolve_config_path(str(context.run_config.get("config", "") or DEFAULT_CONFIG)), "config", roots
+                )
             cfg, config_path = load_experiment(context.run_config)
         if roots is not None:
             if cfg.data.path:
@@ -359,18 +408,27 @@ def main(grid: Grid, context: Context) -> None:
         out_dir = Path(resume).expanduser().resolve()
         if checkpoint.round >= cfg.rounds and (out_dir / "summary.json").is_file():
             # Nothing left to do: say so and leave every file as it is (a new run with resume would rewrite them).
-            log(INFO, "resume: the run in %s finished (round %d of %d, summary.json written): nothing to do, "
-                "nothing changed; fedssl-eval scores its model.pt again, a new run trains longer", out_dir,
-                checkpoint.round, cfg.rounds)
+            log(
+                INFO,
+                "resume: the run in %s finished (round %d of %d, summary.json written): nothing to do, "
+                "nothing changed; fedssl-eval scores its model.pt again, a new run trains longer",
+                out_dir,
+                checkpoint.round,
+                cfg.rounds,
+            )
             return
         writer = ResultsWriter(out_dir, resume_round=checkpoint.round, tensorboard=cfg.logging.tensorboard)
         say = writer.progress
         given = str(checkpoint.meta.get("config_file", ""))
         for damaged in checkpoint.damaged:  # a newer checkpoint that did not load: its rounds run again
-            say(f"resume: a newer checkpoint is damaged and skipped ({damaged}); the rounds after round "
-                f"{checkpoint.round} run again")
-        say(f"resuming {cfg.name!r} in {out_dir} after round {checkpoint.round} of {cfg.rounds} (checkpoint "
-            f"{checkpoint.path.name}); the run's own config is used{ignored_on_resume(context.run_config, cfg)}")
+            say(
+                f"resume: a newer checkpoint is damaged and skipped ({damaged}); the rounds after round "
+                f"{checkpoint.round} run again"
+            )
+        say(
+            f"resuming {cfg.name!r} in {out_dir} after round {checkpoint.round} of {cfg.rounds} (checkpoint "
+            f"{checkpoint.path.name}); the run's own config is used{ignored_on_resume(context.run_config, cfg)}"
+        )
     else:
         wanted_dir = output_dir_for(cfg)
         out_dir = unused_output_dir(wanted_dir)
@@ -396,8 +454,10 @@ def main(grid: Grid, context: Context) -> None:
         if writer.finished:
             return
         if not writer.stopped:
-            say(f"stopped: the ServerApp ended after round {len(writer.records)} of {cfg.rounds} (flwr stop, or the "
-                f"process was interrupted); resume with resume='{out_dir}'")
+            say(
+                f"stopped: the ServerApp ended after round {len(writer.records)} of {cfg.rounds} (flwr stop, or the "
+                f"process was interrupted); resume with resume='{out_dir}'"
+            )
             writer.stopped = True  # the ServerApp's own thread may still be in a round: it records nothing more
         mark_run_stopped(state_root, "the ServerApp ended before the run finished")
 
@@ -417,13 +477,25 @@ def main(grid: Grid, context: Context) -> None:
         atexit.unregister(on_exit)  # (Flower's own list keeps it: on_exit does nothing once the run has finished)
 
 
-def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, out_dir, writer: ResultsWriter,
-         checked: CheckedData, *, run_id: int, checkpoint: Checkpoint | None) -> None:
+def _run(
+    grid: Grid,
+    cfg: ExperimentConfig,
+    config_given: str,
+    started: float,
+    out_dir,
+    writer: ResultsWriter,
+    checked: CheckedData,
+    *,
+    run_id: int,
+    checkpoint: Checkpoint | None,
+) -> None:
     say = writer.progress
     data, split = checked.data, checked.split  # loaded, split and checked before the output folder was made
     sizes = checked.client_sizes
-    say(f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
-        f"server public split {len(split.public_idx)}")
+    say(
+        f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
+        f"server public split {len(split.public_idx)}"
+    )
     size_noted: set[int] = set()  # clients named for training on other data than the server's split gives them
 
     with stop_run(say, "the federation does not match the experiment", FederationMismatch):
@@ -431,9 +503,13 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
 
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy = strategy_cls(
-        clients=clients, clients_per_round=cfg.clients_per_round, min_available=cfg.min_available_clients,
-        node_wait_s=cfg.federation.node_wait_s, seed=cfg.seed,
-        round_config=lambda rnd: {"lr": cfg.round_lr(rnd)}, options=cfg.strategy.options,
+        clients=clients,
+        clients_per_round=cfg.clients_per_round,
+        min_available=cfg.min_available_clients,
+        node_wait_s=cfg.federation.node_wait_s,
+        seed=cfg.seed,
+        round_config=lambda rnd: {"lr": cfg.round_lr(rnd)},
+        options=cfg.strategy.options,
         state_dir=str(out_dir / "client_state"),
     )
     strategy.prepare(cfg, data, split)
@@ -447,12 +523,17 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
     initial = to_array_record(state_to_numpy(shared))
     first_round = 1
     if checkpoint is not None:
-        strategy.restore_state(checkpoint.meta.get("strategy", {}), checkpoint.strategy_arrays,
-                               {name: str(checkpoint.store_snapshot(name)) for name in checkpoint.meta.get("stores", [])})
+        strategy.restore_state(
+            checkpoint.meta.get("strategy", {}),
+            checkpoint.strategy_arrays,
+            {name: str(checkpoint.store_snapshot(name)) for name in checkpoint.meta.get("stores", [])},
+        )
         initial, first_round = to_array_record(checkpoint.global_arrays), checkpoint.round + 1
-    say(f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
+    say(
+        f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
         f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round; "
-        f"{strategy.traffic(initial.count_bytes())}")
+        f"{strategy.traffic(initial.count_bytes())}"
+    )
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Called by the strategy's round loop after every round: measure, record, checkpoint, report."""
@@ -477,32 +558,61 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         if every and (server_round % every == 0 or server_round == cfg.rounds):
             plain, arrays_state, stores = strategy.checkpoint_state()
             elapsed = elapsed_before + time.perf_counter() - started  # the whole run's time up to this checkpoint
-            save_checkpoint(out_dir, server_round, {"config": cfg.to_dict(), "config_file": config_given,
-                                                    "state_run": state_run, "strategy": plain, "stores": sorted(stores),
-                                                    "elapsed_s": elapsed},
-                            from_array_record(arrays), arrays_state, {k: Path(v) for k, v in stores.items()},
-                            keep=cfg.checkpoint.keep)
+            save_checkpoint(
+                out_dir,
+                server_round,
+                {
+                    "config": cfg.to_dict(),
+                    "config_file": config_given,
+                    "state_run": state_run,
+                    "strategy": plain,
+                    "stores": sorted(stores),
+                    "elapsed_s": elapsed,
+                },
+                from_array_record(arrays),
+                arrays_state,
+                {k: Path(v) for k, v in stores.items()},
+                keep=cfg.checkpoint.keep,
+            )
         if cfg.strategy.name != "central":  # the central trainer's one client holds the union by design
             for line in client_size_notes(record.get("clients") or [], sizes, size_noted):
                 say(line)
         knn = f" | knn {100 * record['knn_acc']:.2f}%" if record.get("knn_acc") is not None else ""
-        say(f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
+        say(
+            f"round {server_round}/{cfg.rounds} | loss {record.get('train_loss', float('nan')):.4f}{knn} | "
             f"up {_mb(record.get('bytes_up', 0))} down {_mb(record.get('bytes_down', 0))} | "
             f"{record['wall_s']:.1f} s | {record.get('num_clients', 0)} clients ok{failed_note(record)}"
-            f"{devices_note(record['clients'])}")
+            f"{devices_note(record['clients'])}"
+        )
         return MetricRecord({"knn_acc": float(record["knn_acc"])}) if record.get("knn_acc") is not None else None
 
-    final = strategy.run_rounds(grid, initial, first_round=first_round, num_rounds=cfg.rounds,
-                                timeout=cfg.federation.round_timeout_s,
-                                train_config=ConfigRecord({"experiment": cfg.to_json()}), after_round=after_round)
+    final = strategy.run_rounds(
+        grid,
+        initial,
+        first_round=first_round,
+        num_rounds=cfg.rounds,
+        timeout=cfg.federation.round_timeout_s,
+        train_config=ConfigRecord({"experiment": cfg.to_json()}),
+        after_round=after_round,
+    )
 
     models = strategy.models_to_evaluate(final)
     for name, model in models.items():  # model.pt, or model_client_<i>.pt for each client's own encoder
         path = writer.model_path if len(models) == 1 else writer.out_dir / f"model_{name}.pt"
-        save_encoder_checkpoint(path, evaluator.load(model), model.arch, cfg.model.width,
-                                extra={"method": cfg.method.name, "strategy": cfg.strategy.name, "model": name,
-                                       "rounds": len(writer.records), "experiment": cfg.name,
-                                       "eval_protocol": evaluator.protocol()})
+        save_encoder_checkpoint(
+            path,
+            evaluator.load(model),
+            model.arch,
+            cfg.model.width,
+            extra={
+                "method": cfg.method.name,
+                "strategy": cfg.strategy.name,
+                "model": name,
+                "rounds": len(writer.records),
+                "experiment": cfg.name,
+                "eval_protocol": evaluator.protocol(),
+            },
+        )
     say("final evaluation (kNN + linear probe) ...")
     scores, by_model = evaluator.evaluate_models(models, knn=True, linear=cfg.eval.linear_probe)
     reference_entries: dict[str, Any] = {}
@@ -511,7 +621,8 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         say(f"random-init reference ({', '.join(archs)}, the run's initial weights, same protocol) ...")
         reference = {arch: evaluator.random_init(arch, linear=cfg.eval.linear_probe) for arch in archs}
         reference_entries = random_init_entries(
-            scores, by_model, {name: model.arch for name, model in models.items()}, reference)
+            scores, by_model, {name: model.arch for name, model in models.items()}, reference
+        )
     this_process_s = time.perf_counter() - started  # one reading: run_s is exactly the time before plus this
     summary = {
         "name": cfg.name,
@@ -520,9 +631,16 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "linear_probe_acc": scores.get("linear_probe_acc"),
         "knn_acc": scores.get("knn_acc"),
         **reference_entries,
-        **({"scores_by_model": by_model, "headline": "minimum over the models",
-            "linear_probe_acc_mean": scores.get("linear_probe_acc_mean"), "knn_acc_mean": scores.get("knn_acc_mean")}
-           if by_model else {}),
+        **(
+            {
+                "scores_by_model": by_model,
+                "headline": "minimum over the models",
+                "linear_probe_acc_mean": scores.get("linear_probe_acc_mean"),
+                "knn_acc_mean": scores.get("knn_acc_mean"),
+            }
+            if by_model
+            else {}
+        ),
         **strategy.summary_extras(by_model),
         "final_train_loss": writer.records[-1].get("train_loss") if writer.records else None,
         **writer.totals(),
@@ -531,15 +649,24 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         "run_s": elapsed_before + this_process_s,
         "run_s_this_process": this_process_s,
         **({"resumed_after_round": checkpoint.round} if checkpoint is not None else {}),
-        "eval": {"num_train": scores["num_train"], "num_test": scores["num_test"],
-                 "feature_dim": scores["feature_dim"], "features": "backbone (global average pool)",
-                 "knn_k": cfg.eval.knn_k, "knn_temperature": cfg.eval.knn_temperature,
-                 "probe_epochs": cfg.eval.probe_epochs, "split": "train part -> fit, test part -> score",
-                 "protocol": evaluator.protocol()},
+        "eval": {
+            "num_train": scores["num_train"],
+            "num_test": scores["num_test"],
+            "feature_dim": scores["feature_dim"],
+            "features": "backbone (global average pool)",
+            "knn_k": cfg.eval.knn_k,
+            "knn_temperature": cfg.eval.knn_temperature,
+            "probe_epochs": cfg.eval.probe_epochs,
+            "split": "train part -> fit, test part -> score",
+            "protocol": evaluator.protocol(),
+        },
         # what the clients trained on (a node may hold a data file of its own), and what the server's split gave them
-        "data": {"train_images": len(data.x_train),
-                 "client_sizes": sizes if cfg.strategy.name == "central" else trained_client_sizes(writer.records, sizes),
-                 "client_sizes_server_split": sizes, "public_size": len(split.public_idx)},
+        "data": {
+            "train_images": len(data.x_train),
+            "client_sizes": sizes if cfg.strategy.name == "central" else trained_client_sizes(writer.records, sizes),
+            "client_sizes_server_split": sizes,
+            "public_size": len(split.public_idx),
+        },
         "output_dir": str(out_dir),
         "config_file": config_given,
         "config": cfg.to_dict(),
@@ -556,7 +683,11 @@ def _run(grid: Grid, cfg: ExperimentConfig, config_given: str, started: float, o
         rand = reference_entries["random_init"]
         rand_lp = ", ".join(_pct(v["linear_probe_acc"]) for v in rand.values())
         rand_knn = ", ".join(_pct(v["knn_acc"]) for v in rand.values())
-        against = (f"; random init: linear probe {rand_lp}, kNN {rand_knn}; gain over random init: linear probe "
-                   f"{_points(summary['linear_probe_gain_over_random'])}, kNN {_points(summary['knn_gain_over_random'])}")
-    say(f"done in {summary['run_s']:.1f} s: linear probe {_pct(summary['linear_probe_acc'])}, "
-        f"kNN {_pct(summary['knn_acc'])}{headline}{against}; results in {out_dir}")
+        against = (
+            f"; random init: linear probe {rand_lp}, kNN {rand_knn}; gain over random init: linear probe "
+            f"{_points(summary['linear_probe_gain_over_random'])}, kNN {_points(summary['knn_gain_over_random'])}"
+        )
+    say(
+        f"done in {summary['run_s']:.1f} s: linear probe {_pct(summary['linear_probe_acc'])}, "
+        f"kNN {_pct(summary['knn_acc'])}{headline}{against}; results in {out_dir}"
+    )

@@ -88,8 +88,15 @@ def _snapshot(source: Path, target: Path) -> None:
                 shutil.copy2(item, target / item.name)
 
 
-def save_checkpoint(out_dir: Path, server_round: int, meta: Mapping[str, Any], global_arrays: Mapping[str, np.ndarray],
-                    strategy_arrays: Mapping[str, np.ndarray], stores: Mapping[str, Path], keep: int) -> Path:
+def save_checkpoint(
+    out_dir: Path,
+    server_round: int,
+    meta: Mapping[str, Any],
+    global_arrays: Mapping[str, np.ndarray],
+    strategy_arrays: Mapping[str, np.ndarray],
+    stores: Mapping[str, Path],
+    keep: int,
+) -> Path:
     """Write round ``server_round``'s checkpoint atomically, then prune all but the newest ``keep``."""
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -122,9 +129,12 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     root = Path(out_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-             and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and (p / "meta.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 class CheckpointDamaged(FileNotFoundError):
@@ -144,8 +154,10 @@ def load_latest_checkpoint(out_dir: Path) -> Checkpoint:
     CheckpointDamaged naming every damaged file if none loads."""
     found = complete_checkpoints(out_dir)
     if not found:
-        raise FileNotFoundError(f"resume: {out_dir} holds no complete checkpoint (looked for "
-                                f"{Path(out_dir) / CHECKPOINTS / (PREFIX + '<round>')}/meta.json)")
+        raise FileNotFoundError(
+            f"resume: {out_dir} holds no complete checkpoint (looked for "
+            f"{Path(out_dir) / CHECKPOINTS / (PREFIX + '<round>')}/meta.json)"
+        )
     damaged: list[str] = []
     for path in reversed(found):
         try:
@@ -155,8 +167,9 @@ def load_latest_checkpoint(out_dir: Path) -> Checkpoint:
             continue
         checkpoint.damaged = damaged
         return checkpoint
-    raise CheckpointDamaged(f"resume: every checkpoint of {out_dir} is damaged, nothing to resume from: "
-                            + "; ".join(damaged))
+    raise CheckpointDamaged(
+        f"resume: every checkpoint of {out_dir} is damaged, nothing to resume from: " + "; ".join(damaged)
+    )
 
 
 def restore_store(checkpoint: Checkpoint, name: str, folder: Path) -> None:

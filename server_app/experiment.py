@@ -68,8 +68,10 @@ def load_experiment(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, Pa
     given = str(run_config.get("config", "") or DEFAULT_CONFIG)
     path = resolve_config_path(given)
     if not path.is_file():
-        raise ConfigError(f"config: {given!r} not found (looked for it in the app's folder and in {Path.cwd()}, the "
-                          "working directory of the SuperLink that runs the ServerApp); give an absolute path")
+        raise ConfigError(
+            f"config: {given!r} not found (looked for it in the app's folder and in {Path.cwd()}, the "
+            "working directory of the SuperLink that runs the ServerApp); give an absolute path"
+        )
     cfg = ExperimentConfig.from_yaml(path, overrides_from_run_config(run_config))
     cfg.check_files()
     check_components(cfg)
@@ -92,16 +94,22 @@ def check_components(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError(str(exc)) from None  # the registry's message already names strategy.name
     cfg.method.options = validate_component_options(cfg.method.options, method_defaults, "method.options")
     valid_archs = available_backbones()
-    for key, arch in ([("model.arch", cfg.model.arch)] + [("model.client_archs", a) for a in cfg.model.client_archs]
-                      + [("model.client_arch_pool", a) for a in cfg.model.client_arch_pool]):
+    for key, arch in (
+        [("model.arch", cfg.model.arch)]
+        + [("model.client_archs", a) for a in cfg.model.client_archs]
+        + [("model.client_arch_pool", a) for a in cfg.model.client_arch_pool]
+    ):
         if arch not in valid_archs:
             raise ConfigError(f"{key}: unknown architecture {arch!r} (valid: {', '.join(valid_archs)})")
     client_archs = [cfg.client_arch(i) for i in range(cfg.federation.num_clients)]
     if any(a != cfg.model.arch for a in client_archs) and not strategy_cls.supports_mixed_archs:
-        raise ConfigError(f"model.client_archs: strategy {cfg.strategy.name!r} averages weights, so every client "
-                          f"must use model.arch ({cfg.model.arch!r}); mixed encoders need e.g. FLESD")
-    cfg.strategy.options = validate_component_options(cfg.strategy.options, strategy_cls.default_options(),
-                                                      "strategy.options")
+        raise ConfigError(
+            f"model.client_archs: strategy {cfg.strategy.name!r} averages weights, so every client "
+            f"must use model.arch ({cfg.model.arch!r}); mixed encoders need e.g. FLESD"
+        )
+    cfg.strategy.options = validate_component_options(
+        cfg.strategy.options, strategy_cls.default_options(), "strategy.options"
+    )
     try:
         strategy_cls.check_options(cfg.strategy.options)
         strategy_cls.check_config(cfg)
@@ -111,8 +119,10 @@ def check_components(cfg: ExperimentConfig) -> ExperimentConfig:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            raise ConfigError("logging.tensorboard: the tensorboard package is not installed (pip install "
-                              "'fedssl[tensorboard]'), or set logging.tensorboard: false") from None
+            raise ConfigError(
+                "logging.tensorboard: the tensorboard package is not installed (pip install "
+                "'fedssl[tensorboard]'), or set logging.tensorboard: false"
+            ) from None
     return cfg
 
 

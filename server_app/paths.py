@@ -34,6 +34,8 @@ def confine(path: str | Path, key: str, roots: list[Path]) -> Path:
     resolved = Path(path).expanduser().resolve()
     if any(resolved == root or resolved.is_relative_to(root) for root in roots):
         return resolved
-    raise ConfigError(f"{key}: {str(path)!r} resolves to {resolved}, outside the folders this machine's operator "
-                      f"allows ({', '.join(str(r) for r in roots)}); the operator sets them with {ROOTS_VARIABLE} "
-                      "where the SuperLink (or the ServerApp executor) runs")
+    raise ConfigError(
+        f"{key}: {str(path)!r} resolves to {resolved}, outside the folders this machine's operator "
+        f"allows ({', '.join(str(r) for r in roots)}); the operator sets them with {ROOTS_VARIABLE} "
+        "where the SuperLink (or the ServerApp executor) runs"
+    )

@@ -64,9 +64,11 @@ def device_description(device: str | None = None) -> str:
 
 def git_state(folder: Path = APP_DIR) -> tuple[str | None, bool | None]:
     """(commit, has uncommitted changes) when ``folder`` is the top of a git checkout, else (None, None)."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
 
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(folder).resolve():
@@ -83,6 +85,13 @@ def config_hash(config: Mapping[str, Any]) -> str:
 
 def provenance(config: Mapping[str, Any], device: str | None = None) -> dict[str, Any]:
     commit, dirty = git_state()
-    return {"versions": package_versions(), "device": device_description(device), "host": platform.node(),
-            "app_digest": app_code_digest(), "wire_version": WIRE_VERSION, "git_commit": commit, "git_dirty": dirty,
-            "config_hash": config_hash(config)}
+    return {
+        "versions": package_versions(),
+        "device": device_description(device),
+        "host": platform.node(),
+        "app_digest": app_code_digest(),
+        "wire_version": WIRE_VERSION,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "config_hash": config_hash(config),
+    }

@@ -53,12 +53,14 @@ def client_device_summary(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """summary.json's ``client_devices`` (client rounds per device over the run's rounds) and ``cpu_despite_gpu``
     (true when any client round trained on the CPU of a machine with a GPU)."""
     clients = [client for record in records for client in record.get("clients") or []]
-    return {"client_devices": device_counts(clients),
-            "cpu_despite_gpu": any(trained_on_cpu_beside_gpu(client) for client in clients)}
+    return {
+        "client_devices": device_counts(clients),
+        "cpu_despite_gpu": any(trained_on_cpu_beside_gpu(client) for client in clients),
+    }
 
 
 def devices_note(clients: Iterable[dict[str, Any]]) -> str:
-    """" | on cpu" (or " | on cuda:0 (NVIDIA H100 80GB HBM3) x3, cpu x1") for a round's progress line, with a
+    """ " | on cpu" (or " | on cuda:0 (NVIDIA H100 80GB HBM3) x3, cpu x1") for a round's progress line, with a
     warning when a client trained on the CPU of a machine with a GPU; nothing for clients that did not say."""
     clients = list(clients)
     counts = device_counts(clients)
@@ -92,8 +94,10 @@ def client_size_notes(clients: Iterable[dict[str, Any]], split_sizes: list[int],
             continue
         if int(n) != split_sizes[int(cid)]:
             noted.add(int(cid))
-            lines.append(f"client {int(cid)} trains on {int(n)} images of its own data file, not the "
-                         f"{split_sizes[int(cid)]} of the server's split (its node's data-path)")
+            lines.append(
+                f"client {int(cid)} trains on {int(n)} images of its own data file, not the "
+                f"{split_sizes[int(cid)]} of the server's split (its node's data-path)"
+            )
     return lines
 
 
@@ -118,8 +122,18 @@ class TensorBoardUnavailable(RuntimeError):
 
 # Per-round values written as TensorBoard scalars (``round/<key>``), and each client's (``client_<id>/<key>``).
 ROUND_SCALARS = ("train_loss", "knn_acc", "bytes_up", "bytes_down", "wall_s", "num_clients", "num_failed", "eval_s")
-CLIENT_SCALARS = ("loss", "train_s", "num_examples", "bytes_up", "mu", "divergence", "cka_start", "cka_end",
-                  "kernel_norm", "align_loss")
+CLIENT_SCALARS = (
+    "loss",
+    "train_s",
+    "num_examples",
+    "bytes_up",
+    "mu",
+    "divergence",
+    "cka_start",
+    "cka_end",
+    "kernel_norm",
+    "align_loss",
+)
 
 
 class TensorBoardLog:
@@ -131,7 +145,8 @@ class TensorBoardLog:
         except ImportError as exc:
             raise TensorBoardUnavailable(
                 "logging.tensorboard: the tensorboard package is not installed (pip install 'fedssl[tensorboard]'), "
-                f"or set logging.tensorboard: false ({exc})") from None
+                f"or set logging.tensorboard: false ({exc})"
+            ) from None
         self.writer = SummaryWriter(str(folder), purge_step=None if resume_round is None else resume_round + 1)
 
     def write_round(self, record: dict[str, Any]) -> None:
@@ -211,6 +226,7 @@ class ResultsWriter:
     def plot(self, title: str) -> Path | None:
         """Draw the train loss and the kNN accuracy against the round (matplotlib); a plotting failure is
         reported, never fatal to the run."""
+
         def series(key: str) -> tuple[list[float], list[float]]:
             pts = [(r["round"], r[key]) for r in self.records if r.get(key) is not None]
             return [float(x) for x, _ in pts], [float(y) for _, y in pts]
@@ -223,8 +239,9 @@ class ResultsWriter:
             from matplotlib.ticker import MaxNLocator
 
             fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-            for ax, (key, label, scale) in zip(axes, (("train_loss", "train loss", 1.0),
-                                                      ("knn_acc", "kNN accuracy (%)", 100.0))):
+            for ax, (key, label, scale) in zip(
+                axes, (("train_loss", "train loss", 1.0), ("knn_acc", "kNN accuracy (%)", 100.0))
+            ):
                 xs, ys = series(key)
                 if xs:
                     ax.plot(xs, [scale * y for y in ys], marker="o", markersize=3)

@@ -254,10 +254,13 @@ class ExperimentConfig:
         _require(d.alpha > 0, "data.alpha", "must be > 0", d.alpha)
         _require(d.min_size >= 0, "data.min_size", "must be >= 0", d.min_size)
         _require(d.classes_per_client >= 1, "data.classes_per_client", "must be >= 1", d.classes_per_client)
-        _require(d.public_size >= 0, "data.public_size", "must be >= 0 (a count, or a fraction < 1)",
-                 d.public_size)
-        _require(d.public_size < 1 or float(d.public_size).is_integer(), "data.public_size",
-                 "must be a fraction below 1 or a whole count", d.public_size)
+        _require(d.public_size >= 0, "data.public_size", "must be >= 0 (a count, or a fraction < 1)", d.public_size)
+        _require(
+            d.public_size < 1 or float(d.public_size).is_integer(),
+            "data.public_size",
+            "must be a fraction below 1 or a whole count",
+            d.public_size,
+        )
         if d.dataset == "npz":
             _require(bool(d.path), "data.path", "must name an .npz file when data.dataset is npz", d.path)
         if d.dataset == "synthetic":
@@ -267,61 +270,99 @@ class ExperimentConfig:
 
         _require(self.model.width > 0, "model.width", "must be > 0", self.model.width)
         from ssl_models.networks import ARCH_OPTIONS  # here, not at the top: the networks never need the config
+
         valid = ARCH_OPTIONS.get(self.model.arch, ())
         unknown = sorted(set(self.model.options) - set(valid))
-        _require(not unknown, "model.options", f"{self.model.arch!r} takes {list(valid)}, not {unknown}",
-                 self.model.options)
+        _require(
+            not unknown, "model.options", f"{self.model.arch!r} takes {list(valid)}, not {unknown}", self.model.options
+        )
         depth = self.model.options.get("depth", 1)
-        _require(isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1, "model.options.depth",
-                 "must be a positive integer", depth)
+        _require(
+            isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1,
+            "model.options.depth",
+            "must be a positive integer",
+            depth,
+        )
         archs = self.model.client_archs
-        _require(all(isinstance(a, str) and a for a in archs), "model.client_archs",
-                 "must be a list of architecture names", archs)
-        _require(not archs or len(archs) == self.federation.num_clients, "model.client_archs",
-                 f"must name one architecture per client ({self.federation.num_clients})", archs)
+        _require(
+            all(isinstance(a, str) and a for a in archs),
+            "model.client_archs",
+            "must be a list of architecture names",
+            archs,
+        )
+        _require(
+            not archs or len(archs) == self.federation.num_clients,
+            "model.client_archs",
+            f"must name one architecture per client ({self.federation.num_clients})",
+            archs,
+        )
         pool = self.model.client_arch_pool
-        _require(all(isinstance(a, str) and a for a in pool), "model.client_arch_pool",
-                 "must be a list of architecture names", pool)
-        _require(not (pool and archs), "model.client_arch_pool",
-                 "cannot be combined with model.client_archs (fixed architectures); set one of them", pool)
+        _require(
+            all(isinstance(a, str) and a for a in pool),
+            "model.client_arch_pool",
+            "must be a list of architecture names",
+            pool,
+        )
+        _require(
+            not (pool and archs),
+            "model.client_arch_pool",
+            "cannot be combined with model.client_archs (fixed architectures); set one of them",
+            pool,
+        )
 
         t = self.train
         _require(t.local_epochs >= 1, "train.local_epochs", "must be >= 1", t.local_epochs)
-        _require(t.batch_size >= 2, "train.batch_size", "must be >= 2 (contrastive losses need pairs)",
-                 t.batch_size)
+        _require(t.batch_size >= 2, "train.batch_size", "must be >= 2 (contrastive losses need pairs)", t.batch_size)
         _one_of(t.optimizer, OPTIMIZERS, "train.optimizer")
         _require(t.lr > 0, "train.lr", "must be > 0", t.lr)
         _require(0 <= t.momentum < 1, "train.momentum", "must be in [0, 1)", t.momentum)
         _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0", t.weight_decay)
         _one_of(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
         _one_of(t.device, DEVICES, "train.device")
-        _require(t.max_steps_per_epoch >= 0, "train.max_steps_per_epoch", "must be >= 0",
-                 t.max_steps_per_epoch)
+        _require(t.max_steps_per_epoch >= 0, "train.max_steps_per_epoch", "must be >= 0", t.max_steps_per_epoch)
 
         self.augment_checks()
 
         f = self.federation
         _require(f.num_clients >= 1, "federation.num_clients", "must be >= 1", f.num_clients)
         _require(f.clients_per_round >= 0, "federation.clients_per_round", "must be >= 0", f.clients_per_round)
-        _require(f.clients_per_round <= f.num_clients, "federation.clients_per_round",
-                 f"cannot exceed federation.num_clients ({f.num_clients})", f.clients_per_round)
-        _require(f.min_available_clients >= 0, "federation.min_available_clients", "must be >= 0",
-                 f.min_available_clients)
-        _require(f.min_available_clients <= f.num_clients, "federation.min_available_clients",
-                 f"cannot exceed federation.num_clients ({f.num_clients})", f.min_available_clients)
+        _require(
+            f.clients_per_round <= f.num_clients,
+            "federation.clients_per_round",
+            f"cannot exceed federation.num_clients ({f.num_clients})",
+            f.clients_per_round,
+        )
+        _require(
+            f.min_available_clients >= 0, "federation.min_available_clients", "must be >= 0", f.min_available_clients
+        )
+        _require(
+            f.min_available_clients <= f.num_clients,
+            "federation.min_available_clients",
+            f"cannot exceed federation.num_clients ({f.num_clients})",
+            f.min_available_clients,
+        )
         _require(f.round_timeout_s > 0, "federation.round_timeout_s", "must be > 0", f.round_timeout_s)
         _require(f.node_wait_s >= 0, "federation.node_wait_s", "must be >= 0", f.node_wait_s)
-        _require(0 <= f.min_replies <= f.num_clients, "federation.min_replies",
-                 f"must be in [0, federation.num_clients ({f.num_clients})]", f.min_replies)
+        _require(
+            0 <= f.min_replies <= f.num_clients,
+            "federation.min_replies",
+            f"must be in [0, federation.num_clients ({f.num_clients})]",
+            f.min_replies,
+        )
         _require(f.max_reply_mb > 0, "federation.max_reply_mb", "must be > 0", f.max_reply_mb)
         if d.partition == "pathological":
             num_classes = d.synthetic_classes if d.dataset == "synthetic" else None
             if num_classes is not None:
-                _require(d.classes_per_client <= num_classes, "data.classes_per_client",
-                         f"cannot exceed the number of classes ({num_classes})", d.classes_per_client)
+                _require(
+                    d.classes_per_client <= num_classes,
+                    "data.classes_per_client",
+                    f"cannot exceed the number of classes ({num_classes})",
+                    d.classes_per_client,
+                )
 
-        _require(self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)",
-                 self.checkpoint.every)
+        _require(
+            self.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)", self.checkpoint.every
+        )
         _require(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", self.checkpoint.keep)
 
         e = self.eval
@@ -344,14 +385,25 @@ class ExperimentConfig:
         for key in ("brightness", "contrast", "saturation"):
             _require(getattr(a, key) >= 0, f"augment.{key}", "must be >= 0", getattr(a, key))
         _require(0 <= a.hue <= 0.5, "augment.hue", "must be in [0, 0.5]", a.hue)
-        _require(a.blur_kernel_size == 0 or (a.blur_kernel_size >= 3 and a.blur_kernel_size % 2 == 1),
-                 "augment.blur_kernel_size", "must be 0 (automatic) or an odd number >= 3", a.blur_kernel_size)
+        _require(
+            a.blur_kernel_size == 0 or (a.blur_kernel_size >= 3 and a.blur_kernel_size % 2 == 1),
+            "augment.blur_kernel_size",
+            "must be 0 (automatic) or an odd number >= 3",
+            a.blur_kernel_size,
+        )
         for key, positive in (("mean", False), ("std", True)):
             values = getattr(a, key)
-            ok = (len(values) == 3 and all(_is_number(v) for v in values)
-                  and all(v > 0 if positive else True for v in values))
-            _require(ok, f"augment.{key}", "must be 3 numbers (one per RGB channel)" + (", each > 0" if positive
-                                                                                      else ""), values)
+            ok = (
+                len(values) == 3
+                and all(_is_number(v) for v in values)
+                and all(v > 0 if positive else True for v in values)
+            )
+            _require(
+                ok,
+                f"augment.{key}",
+                "must be 3 numbers (one per RGB channel)" + (", each > 0" if positive else ""),
+                values,
+            )
 
     def check_files(self) -> None:
         """Check that the data the config names exists on this machine (the server's, at start).
@@ -486,8 +538,11 @@ def merge_config(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
 def _drop_nones(tree: Mapping[str, Any]) -> dict:
     if REPLACE_KEY in tree and tree[REPLACE_KEY] not in (True, False):
         raise ConfigError(f"{REPLACE_KEY}: must be true or false (got {tree[REPLACE_KEY]!r})")
-    return {k: (_drop_nones(v) if isinstance(v, Mapping) else v) for k, v in tree.items()
-            if v is not None and k != REPLACE_KEY}
+    return {
+        k: (_drop_nones(v) if isinstance(v, Mapping) else v)
+        for k, v in tree.items()
+        if v is not None and k != REPLACE_KEY
+    }
 
 
 def config_chain(path: str | Path) -> list[Path]:
@@ -496,7 +551,7 @@ def config_chain(path: str | Path) -> list[Path]:
     current = Path(path).expanduser().resolve()
     while True:
         if current in chain:
-            cycle = " -> ".join(p.name for p in chain[chain.index(current):] + [current])
+            cycle = " -> ".join(p.name for p in chain[chain.index(current) :] + [current])
             raise ConfigError(f"base: cycle {cycle} (in {chain[-1]})")
         raw = read_yaml_mapping(current)
         chain.append(current)
@@ -504,8 +559,9 @@ def config_chain(path: str | Path) -> list[Path]:
         if base is None:
             return chain
         if not isinstance(base, str) or not base.strip():
-            raise ConfigError(f"base: must be the path of another experiment config, relative to {current} "
-                              f"(got {base!r})")
+            raise ConfigError(
+                f"base: must be the path of another experiment config, relative to {current} (got {base!r})"
+            )
         nxt = (current.parent / base).resolve()
         if not nxt.is_file():
             raise ConfigError(f"base: {base!r} not found (resolved to {nxt}; named in {current})")

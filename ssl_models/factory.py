@@ -23,12 +23,12 @@ from .methods.base import SSLMethod
 
 def method_options(cfg: ExperimentConfig) -> dict:
     """The method's options with defaults filled in; unknown options raise ConfigError."""
-    return validate_component_options(cfg.method.options, method_default_options(cfg.method.name),
-                                      "method.options")
+    return validate_component_options(cfg.method.options, method_default_options(cfg.method.name), "method.options")
 
 
-def build_ssl_model(cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None,
-                    **arch_options) -> SSLMethod:
+def build_ssl_model(
+    cfg: ExperimentConfig, seed: int | None = None, arch: str | None = None, **arch_options
+) -> SSLMethod:
     """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
 
     The backbone normalises its input when the config says so (``augment.normalize``). ``arch_options`` go to
@@ -73,8 +73,9 @@ def load_partial_state(method: torch.nn.Module, state: dict[str, np.ndarray | to
             if tensor.ndim <= 1 and tensor.numel() == 1 and own[key].ndim == 0:
                 tensor = tensor.reshape(())  # transport turns 0-d arrays (BN's num_batches_tracked) into (1,)
             if tuple(tensor.shape) != tuple(own[key].shape):
-                raise ValueError(f"{key}: shape {tuple(tensor.shape)} does not match the model's "
-                                 f"{tuple(own[key].shape)}")
+                raise ValueError(
+                    f"{key}: shape {tuple(tensor.shape)} does not match the model's {tuple(own[key].shape)}"
+                )
             own[key].copy_(tensor.to(own[key].dtype))
 
 
@@ -84,11 +85,11 @@ def reset_target_from_online(method: torch.nn.Module) -> None:
     with torch.no_grad():
         for key, value in state.items():
             if key.startswith("target_"):
-                source = key[len("target_"):]
+                source = key[len("target_") :]
                 if source in state:
                     value.copy_(state[source])
 
 
 def backbone_state(shared: dict[str, np.ndarray]) -> OrderedDict:
     """The online backbone's own state dict (prefix ``backbone.`` stripped) from a shared state."""
-    return OrderedDict((k[len("backbone."):], v) for k, v in shared.items() if k.startswith("backbone."))
+    return OrderedDict((k[len("backbone.") :], v) for k, v in shared.items() if k.startswith("backbone."))

@@ -33,8 +33,9 @@ class LocalOptimizer:
             raise ValueError(f"lr must be >= 0, got {lr!r}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        self.param_groups: list[dict[str, Any]] = [{"params": params, "lr": float(lr),
-                                                    "weight_decay": float(weight_decay), **extra}]
+        self.param_groups: list[dict[str, Any]] = [
+            {"params": params, "lr": float(lr), "weight_decay": float(weight_decay), **extra}
+        ]
         self.state: dict[torch.Tensor, dict[str, Any]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -59,8 +60,9 @@ class LocalOptimizer:
 class SGD(LocalOptimizer):
     """``torch.optim.SGD(lr, momentum, weight_decay)``: d = g + wd p; b = d (first step) or m b + d; p -= lr b."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0):
+    def __init__(
+        self, params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ):
         if not momentum >= 0:
             raise ValueError(f"momentum must be >= 0, got {momentum!r}")
         super().__init__(params, lr, weight_decay, momentum=float(momentum))
@@ -86,12 +88,20 @@ class Adam(LocalOptimizer):
     """``torch.optim.Adam`` (betas 0.9/0.999, eps 1e-8); ``decoupled=True`` is ``torch.optim.AdamW``: the weight
     decay shrinks the weights (p *= 1 - lr wd) instead of joining the gradient."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, decoupled: bool = False):
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        decoupled: bool = False,
+    ):
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas must lie in [0, 1), got {betas!r}")
-        super().__init__(params, lr, weight_decay, betas=tuple(map(float, betas)), eps=float(eps),
-                         decoupled=bool(decoupled))
+        super().__init__(
+            params, lr, weight_decay, betas=tuple(map(float, betas)), eps=float(eps), decoupled=bool(decoupled)
+        )
 
     def _update(self, params: list[torch.Tensor], grads: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
         g = self.param_groups[0]
@@ -102,8 +112,11 @@ class Adam(LocalOptimizer):
             grads = torch._foreach_add(grads, params, alpha=wd)
         for p in params:
             if p not in self.state:
-                self.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                self.state[p] = {
+                    "step": 0,
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
             self.state[p]["step"] += 1
         states = [self.state[p] for p in params]
         exp_avg = [s["exp_avg"] for s in states]
@@ -114,13 +127,14 @@ class Adam(LocalOptimizer):
         # Per-parameter bias corrections: a parameter skipped in some steps has its own step count.
         steps = [s["step"] for s in states]
         denom = torch._foreach_sqrt(exp_avg_sq)
-        torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** t) for t in steps])
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avg, denom, [-lr / (1 - beta1 ** t) for t in steps])
+        torch._foreach_addcdiv_(params, exp_avg, denom, [-lr / (1 - beta1**t) for t in steps])
 
 
-def build_local_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9,
-                          weight_decay: float = 0.0) -> LocalOptimizer:
+def build_local_optimizer(
+    params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0
+) -> LocalOptimizer:
     """``sgd`` (with ``momentum``), ``adam`` or ``adamw`` with ``torch.optim``'s default hyper-parameters."""
     if name == "sgd":
         return SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)

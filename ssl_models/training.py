@@ -97,8 +97,14 @@ def fast_path_for(device: torch.device, enabled: bool) -> FastPath:
     return FastPath(None, True, False)
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9,
-                   weight_decay: float = 0.0, lean: bool = True) -> LocalOptimizer | torch.optim.Optimizer:
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter],
+    name: str,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    lean: bool = True,
+) -> LocalOptimizer | torch.optim.Optimizer:
     """``sgd``, ``adam`` or ``adamw``: the project's own (``ssl_models.optimizers``: the same arithmetic, without
     torch.optim's import of torch._dynamo in every new ClientApp process) unless ``lean`` is False (a GradScaler's
     step needs a torch.optim optimiser)."""
@@ -114,8 +120,12 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, m
     raise ValueError(f"optimizer: unknown name {name!r} (valid: sgd, adam, adamw)")
 
 
-def optimizer_step(loss: torch.Tensor, optimizer: LocalOptimizer | torch.optim.Optimizer,
-                   scaler: torch.amp.GradScaler | None, what: str) -> float:
+def optimizer_step(
+    loss: torch.Tensor,
+    optimizer: LocalOptimizer | torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    what: str,
+) -> float:
     """Backward and one optimizer step (through the gradient scaler when fp16 needs one); returns the loss
     value. A loss that is not finite stops training with ``what`` named *before* the step, so the weights (and
     the optimizer's state) stay those of the last good step."""
@@ -231,7 +241,7 @@ def train_ssl(
             epoch_hook(method, epoch)
         perm = torch.randperm(n, generator=perm_gen).to(device)
         for step in range(steps_per_epoch):
-            batch = x[perm[step * bs:(step + 1) * bs]]
+            batch = x[perm[step * bs : (step + 1) * bs]]
             if batch.shape[0] < 2:  # a last partial batch of one image cannot form pairs
                 continue
             v1, v2 = augment.two_views(batch, generator=gen)
@@ -241,8 +251,9 @@ def train_ssl(
             what = f"local SSL loss at epoch {epoch + 1} step {step + 1}"
 
             def forward_backward_step(v1: torch.Tensor = v1, v2: torch.Tensor = v2, what: str = what) -> float:
-                with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
-                                    enabled=fp.autocast_dtype is not None):
+                with torch.autocast(
+                    device.type, dtype=fp.autocast_dtype or torch.float32, enabled=fp.autocast_dtype is not None
+                ):
                     loss = step_fn(v1, v2)
                     if loss_hook is not None:
                         loss = loss + loss_hook(method)
@@ -270,7 +281,8 @@ def train_ssl(
                 value = forward_backward_step()
             if hasattr(method, "set_progress"):  # momentum schedules (MoCo v3) follow the local progress
                 method.set_progress(  # type: ignore[operator]  # hasattr-checked
-                    (epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch))
+                    (epoch * steps_per_epoch + step + 1) / (epochs * steps_per_epoch)
+                )
             method.after_optimizer_step()
             total_loss += value
             steps += 1

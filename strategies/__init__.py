@@ -12,8 +12,23 @@ from .heterossfl import HeteroSSFL
 from .layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL
 from .local import Local
 
-STRATEGIES = {cls.name: cls for cls in (FedSSL, FedProx, FedEMA, FedU, FLESD, Local, HeteroSSFL, Central,
-                                        LWFedSSL, FedMoCoLW, ProgFedSSL, FLLDD)}
+STRATEGIES = {
+    cls.name: cls
+    for cls in (
+        FedSSL,
+        FedProx,
+        FedEMA,
+        FedU,
+        FLESD,
+        Local,
+        HeteroSSFL,
+        Central,
+        LWFedSSL,
+        FedMoCoLW,
+        ProgFedSSL,
+        FLLDD,
+    )
+}
 
 
 def get_strategy_class(name: str):

@@ -37,8 +37,9 @@ def weighted_average(states: Sequence[Mapping[str, np.ndarray]], weights: Sequen
         for wi, state in zip(w, states):
             arr = np.asarray(state[key])
             if arr.shape != first.shape:
-                raise ValueError(f"weighted_average: {key} has shape {arr.shape} in one state and {first.shape} "
-                                 "in another")
+                raise ValueError(
+                    f"weighted_average: {key} has shape {arr.shape} in one state and {first.shape} in another"
+                )
             acc += wi * arr
         if np.issubdtype(first.dtype, np.integer):
             out[key] = np.rint(acc).astype(first.dtype)

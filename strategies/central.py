@@ -36,15 +36,21 @@ class Central(FedSSL):
         return {**super().client_config(server_round), "data-scope": UNION_SCOPE}
 
     def traffic(self, model_bytes: int) -> str:
-        return (f"one trainer (the lowest connected client, on the union of every client's data): the model, "
-                f"{model_bytes / 2**20:.2f} MiB, down and up each round")
+        return (
+            f"one trainer (the lowest connected client, on the union of every client's data): the model, "
+            f"{model_bytes / 2**20:.2f} MiB, down and up each round"
+        )
 
     def prepare(self, cfg, data, split) -> None:
         super().prepare(cfg, data, split)
         self.union_size = int(sum(len(idx) for idx in split.client_idx))
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        return {**super().summary_extras(scores_by_model),
-                "central": {"train_images": getattr(self, "union_size", None),
-                            "what": "one trainer on the union of the clients' partitions, rounds x local_epochs "
-                                    "epochs (the same number of passes over every image as the federated run)"}}
+        return {
+            **super().summary_extras(scores_by_model),
+            "central": {
+                "train_images": getattr(self, "union_size", None),
+                "what": "one trainer on the union of the clients' partitions, rounds x local_epochs "
+                "epochs (the same number of passes over every image as the federated run)",
+            },
+        }

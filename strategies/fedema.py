@@ -106,8 +106,9 @@ class FedEMA(FedSSL):
                 if self.options["divergence"] == "paper":
                     if new_global is None:
                         new_global = from_array_record(arrays)
-                    d = l2_divergence(new_global, from_array_record(cast(ArrayRecord, reply.content["arrays"])),
-                                      ONLINE_PREFIXES)
+                    d = l2_divergence(
+                        new_global, from_array_record(cast(ArrayRecord, reply.content["arrays"])), ONLINE_PREFIXES
+                    )
                 else:
                     d = float(client["update_size"])  # the size of this first local update (EasyFL's d)
                 self.autoscaler_lambdas[pid] = autoscaler_lambda(float(self.options["tau"]), d)

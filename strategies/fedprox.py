@@ -29,5 +29,8 @@ class FedProx(FedSSL):
             raise ValueError(f"strategy.options.proximal_mu: must be >= 0 (got {options['proximal_mu']!r})")
 
     def client_config(self, server_round: int) -> dict[str, Any]:
-        return {**super().client_config(server_round), "proximal-mu": float(self.options["proximal_mu"]),
-                "proximal-form": str(self.options["proximal_form"])}
+        return {
+            **super().client_config(server_round),
+            "proximal-mu": float(self.options["proximal_mu"]),
+            "proximal-form": str(self.options["proximal_form"]),
+        }

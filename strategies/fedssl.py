@@ -87,12 +87,16 @@ class FedSSL(Strategy):
         check_choice(options, "client_state", CLIENT_STATE_MODES)
         for key in ("update_both", "aggregate_target"):
             if options.get(key) and not cls.target_options:
-                raise ValueError(f"strategy.options.{key}: not supported by strategy {cls.name!r} "
-                                 "(it decides itself what happens to the target branch); keep it false")
+                raise ValueError(
+                    f"strategy.options.{key}: not supported by strategy {cls.name!r} "
+                    "(it decides itself what happens to the target branch); keep it false"
+                )
         if options.get("update_both") and options.get("aggregate_target"):
-            raise ValueError("strategy.options.aggregate_target: cannot be combined with update_both (update_both "
-                             "replaces the target by the global online weights, aggregate_target by the "
-                             "averaged targets); choose one")
+            raise ValueError(
+                "strategy.options.aggregate_target: cannot be combined with update_both (update_both "
+                "replaces the target by the global online weights, aggregate_target by the "
+                "averaged targets); choose one"
+            )
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -159,11 +163,15 @@ class FedSSL(Strategy):
 
     def client_config(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific keys added to every client's config (subclasses extend it)."""
-        return {**code_identity(),  # the clients refuse a message from other code (fedssl_wire.check_same_code)
-                "update-both": bool(self.options["update_both"]),
-                "aggregate-target": bool(self.options["aggregate_target"]), "client-update": self.client_update,
-                "client-state": str(self.options["client_state"]), "state-dir": self.state_dir,
-                "state-run": str(getattr(self, "state_run", ""))}
+        return {
+            **code_identity(),  # the clients refuse a message from other code (fedssl_wire.check_same_code)
+            "update-both": bool(self.options["update_both"]),
+            "aggregate-target": bool(self.options["aggregate_target"]),
+            "client-update": self.client_update,
+            "client-state": str(self.options["client_state"]),
+            "state-dir": self.state_dir,
+            "state-run": str(getattr(self, "state_run", "")),
+        }
 
     def config_for_client(self, server_round: int, partition_id: int) -> dict[str, Any]:
         """Keys for one client only (hook: FedEMA sends each client its autoscaler lambda as
@@ -171,8 +179,9 @@ class FedSSL(Strategy):
         return {}
 
     # ------------------------------------------------------------------ train
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._round_start[server_round] = time.perf_counter()
         available = self.trainable(self.wait_for_clients(grid, server_round))
         chosen = sample_clients(available, min(self.clients_per_round, len(available)), self.seed, server_round)
@@ -181,14 +190,21 @@ class FedSSL(Strategy):
         messages = []
         for pid in chosen:
             node = self.clients[pid]
-            cfg = ConfigRecord({**dict(config), **self.round_config(server_round),
-                                **self.client_config(server_round), **self.config_for_client(server_round, pid),
-                                "server-round": server_round})
+            cfg = ConfigRecord(
+                {
+                    **dict(config),
+                    **self.round_config(server_round),
+                    **self.client_config(server_round),
+                    **self.config_for_client(server_round, pid),
+                    "server-round": server_round,
+                }
+            )
             content = RecordDict({"arrays": self.arrays_for_client(server_round, pid, payload), "config": cfg})
             if self.server_store is not None:
                 content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})
-            messages.append(Message(content, dst_node_id=node, message_type=self.message_type,
-                                    group_id=str(server_round)))
+            messages.append(
+                Message(content, dst_node_id=node, message_type=self.message_type, group_id=str(server_round))
+            )
         self._bytes_down[server_round] = sum(self.payload_bytes(m.content) for m in messages)
         self._sent[server_round] = messages
         log(INFO, "round %d: training on clients %s", server_round, chosen)
@@ -201,8 +217,14 @@ class FedSSL(Strategy):
     def wait_for_clients(self, grid: Grid, server_round: int) -> list[int]:
         """Partition ids whose nodes are connected, once at least ``min_available`` are (or time runs out); a client
         back under a new node id is taken in (``strategies.nodes.wait_for_partitions``)."""
-        return wait_for_partitions(grid, self.clients, min_available=self.min_available, wait_s=self.node_wait_s,
-                                   foreign=self._foreign_nodes, server_round=server_round)
+        return wait_for_partitions(
+            grid,
+            self.clients,
+            min_available=self.min_available,
+            wait_s=self.node_wait_s,
+            foreign=self._foreign_nodes,
+            server_round=server_round,
+        )
 
     def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The global arrays every client of the round receives (hook for subclasses)."""
@@ -213,8 +235,9 @@ class FedSSL(Strategy):
         return arrays
 
     # ------------------------------------------------------------------ reply validation
-    def expected_reply_arrays(self, server_round: int, partition_id: int
-                              ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]] | None:
+    def expected_reply_arrays(
+        self, server_round: int, partition_id: int
+    ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]] | None:
         """Record name -> {array name: (shape, dtype)} that a client's reply must carry exactly (hook). The
         averaging strategies: the arrays of the round's global model, which clients upload back (the ServerApp's
         initial record or the last aggregate). None: no exact expectation (the strategy checks its payload in
@@ -241,8 +264,9 @@ class FedSSL(Strategy):
             return problem
         pid = cast(int, pid)  # metrics_problem: the reply's int partition-id is the node's client
         try:
-            return arrays_problem(content, self.expected_reply_arrays(server_round, pid)) or \
-                self.check_reply_payload(server_round, pid, reply)
+            return arrays_problem(content, self.expected_reply_arrays(server_round, pid)) or self.check_reply_payload(
+                server_round, pid, reply
+            )
         except ValueError as exc:  # a packed record whose manifest and buffer disagree
             return str(exc)
 
@@ -250,13 +274,18 @@ class FedSSL(Strategy):
         """The round's replies with every invalid one replaced by a ``RejectedReply`` (logged with node, client and
         reason); stops the run if a client runs other code or fewer than ``federation.min_replies`` valid replies
         remain (``strategies.replies.screen_replies``)."""
-        return screen_replies(replies, server_round=server_round,
-                              problem=lambda r: self.validate_reply(server_round, r), already_valid=self._validated,
-                              partition_of_node={node: pid for pid, node in self.clients.items()},
-                              min_replies=self.min_replies)
+        return screen_replies(
+            replies,
+            server_round=server_round,
+            problem=lambda r: self.validate_reply(server_round, r),
+            already_valid=self._validated,
+            partition_of_node={node: pid for pid, node in self.clients.items()},
+            min_replies=self.min_replies,
+        )
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = self.screen_replies(server_round, list(replies))
         self._validated.clear()
         ok = [r for r in replies if not r.has_error()]
@@ -295,8 +324,11 @@ class FedSSL(Strategy):
         ClientApp, or "Node Unavailable" when a SuperNode stopped sending heartbeats) or no reply in time."""
         sent = self._sent.pop(server_round, [])
         pid_of_node = {node: pid for pid, node in self.clients.items()}
-        pid_of_message = {m.metadata.message_id: pid_of_node.get(m.metadata.dst_node_id)
-                          for m in sent if getattr(m.metadata, "message_id", "")}  # ids: set when pushed
+        pid_of_message = {
+            m.metadata.message_id: pid_of_node.get(m.metadata.dst_node_id)
+            for m in sent
+            if getattr(m.metadata, "message_id", "")
+        }  # ids: set when pushed
         answered = {int(r.content["metrics"]["partition-id"]) for r in replies if not r.has_error()}  # type: ignore[arg-type]  # an int
         failed: dict[Any, str] = {}
         for r in replies:
@@ -322,8 +354,17 @@ class FedSSL(Strategy):
         return f"down and up per client and round: the model, {model_bytes / 2**20:.2f} MiB{extra}"
 
     # ------------------------------------------------------------------ the rounds
-    def run_rounds(self, grid: Grid, arrays: ArrayRecord, *, first_round: int, num_rounds: int, timeout: float,
-                   train_config: ConfigRecord, after_round: Callable[[int, ArrayRecord], Any]) -> ArrayRecord:
+    def run_rounds(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        *,
+        first_round: int,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord,
+        after_round: Callable[[int, ArrayRecord], Any],
+    ) -> ArrayRecord:
         """Rounds ``first_round`` .. ``num_rounds`` as Flower's ``Strategy.start`` runs them (train, aggregate,
         client-side evaluation, then ``after_round`` with the global arrays), but able to start after round 1: a
         resumed run continues with the round after its checkpoint (``Strategy.start`` has no start round).
@@ -334,13 +375,18 @@ class FedSSL(Strategy):
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             self.reply_arrivals.clear()  # a refused reply's arrival is never looked up
-            replies = send_and_receive(grid, self.configure_train(server_round, arrays, train_config, grid), timeout,
-                                       arrivals=self.reply_arrivals)
+            replies = send_and_receive(
+                grid,
+                self.configure_train(server_round, arrays, train_config, grid),
+                timeout,
+                arrivals=self.reply_arrivals,
+            )
             new_arrays, _ = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
             evaluate_replies = send_and_receive(
-                grid, self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout)
+                grid, self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout
+            )
             self.aggregate_evaluate(server_round, evaluate_replies)
             after_round(server_round, arrays)
         return arrays
@@ -350,8 +396,11 @@ class FedSSL(Strategy):
         """What a checkpoint must hold to resume this strategy exactly: (plain JSON-able state, arrays, on-disk
         stores by name -> folder). Subclasses extend all three (call super)."""
         stores = {"server-side": str(self.server_store.root)} if self.server_store is not None else {}
-        return ({"client_resources": copy.deepcopy(self.resource_book.totals), "bytes_totals": self.bytes_totals()},
-                {}, stores)
+        return (
+            {"client_resources": copy.deepcopy(self.resource_book.totals), "bytes_totals": self.bytes_totals()},
+            {},
+            stores,
+        )
 
     def restore_state(self, plain: dict[str, Any], arrays: dict[str, np.ndarray], stores: dict[str, str]) -> None:
         """Undo ``checkpoint_state`` after ``prepare`` (``stores``: name -> the checkpoint's snapshot folder)."""
@@ -365,30 +414,38 @@ class FedSSL(Strategy):
         """Bytes up and down of the whole run so far: the rounds before a resume (from its checkpoint) and this
         process's rounds."""
         before = getattr(self, "_bytes_before", {"up": 0, "down": 0})
-        return {"up": int(before["up"] + sum(r["bytes_up"] for r in self.round_records.values())),
-                "down": int(before["down"] + sum(r["bytes_down"] for r in self.round_records.values()))}
+        return {
+            "up": int(before["up"] + sum(r["bytes_up"] for r in self.round_records.values())),
+            "down": int(before["down"] + sum(r["bytes_down"] for r in self.round_records.values())),
+        }
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Strategy-specific entries of summary.json. With per-client models (``client_<i>``), their scores grouped
         by architecture: mean, minimum and count of each score per architecture."""
         by_arch: dict[str, dict[str, list[float]]] = {}
         for name, scores in scores_by_model.items():
-            if not name.startswith("client_") or not name[len("client_"):].isdigit():
+            if not name.startswith("client_") or not name[len("client_") :].isdigit():
                 continue
-            arch = self.cfg.client_arch(int(name[len("client_"):]))
+            arch = self.cfg.client_arch(int(name[len("client_") :]))
             for key, value in scores.items():
                 if value is not None:
                     by_arch.setdefault(arch, {}).setdefault(key, []).append(float(value))
         extras: dict[str, Any] = {"resources": self.resource_summary()}
         if not by_arch:
             return extras
-        return {**extras, "scores_by_arch": {arch: {**{f"{k}_mean": sum(v) / len(v) for k, v in keys.items()},
-                                          **{f"{k}_min": min(v) for k, v in keys.items()},
-                                          "num_clients": max(len(v) for v in keys.values())}
-                                   for arch, keys in sorted(by_arch.items())}}
+        return {
+            **extras,
+            "scores_by_arch": {
+                arch: {
+                    **{f"{k}_mean": sum(v) / len(v) for k, v in keys.items()},
+                    **{f"{k}_min": min(v) for k, v in keys.items()},
+                    "num_clients": max(len(v) for v in keys.values()),
+                }
+                for arch, keys in sorted(by_arch.items())
+            },
+        }
 
-    def aggregate(self, server_round: int, replies: list[Message],
-                  clients: list[dict[str, Any]]) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord | None:
         """The new global arrays from the successful replies: the example-weighted average (None in a strategy
         without a global model: Local, Hetero-SSFL)."""
         states = [from_array_record(cast(ArrayRecord, r.content["arrays"])) for r in replies]
@@ -414,14 +471,15 @@ class FedSSL(Strategy):
         for key in m:
             for prefix in ("rule.", "res."):  # what the download rule did; the client's resource figures
                 if key.startswith(prefix):
-                    record[key[len(prefix):]] = m[key]
+                    record[key[len(prefix) :]] = m[key]
             if key.startswith("precision."):  # what the local steps ran in: fp32, bf16 or fp16
-                record["precision"] = key[len("precision."):]
+                record["precision"] = key[len("precision.") :]
         # Where the round ran: the host (and Ray node), the device it trained on and why, the machine's GPU count.
         where = reply.content.config_records.get("client-info")
         if where is not None:
-            record.update({key.replace("-", "_"): where[key] if isinstance(where[key], int) else str(where[key])
-                           for key in where})
+            record.update(
+                {key.replace("-", "_"): where[key] if isinstance(where[key], int) else str(where[key]) for key in where}
+            )
         timeline = client_timeline(m, self.reply_arrivals.pop(reply.metadata.message_id, None))
         if timeline:
             record["timeline_s"] = timeline
@@ -446,13 +504,21 @@ class FedSSL(Strategy):
         return time.perf_counter() - start if start is not None else float("nan")
 
     # ------------------------------------------------------------------ evaluate (server-side only)
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         return []  # evaluation runs on the server (kNN monitor, linear probe)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
     def summary(self) -> None:
-        log(INFO, "\t%s: %d clients, %d per round, seed %d, options %s", type(self).__name__, len(self.clients),
-            self.clients_per_round, self.seed, self.options)
+        log(
+            INFO,
+            "\t%s: %d clients, %d per round, seed %d, options %s",
+            type(self).__name__,
+            len(self.clients),
+            self.clients_per_round,
+            self.seed,
+            self.options,
+        )

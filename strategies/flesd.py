@@ -79,19 +79,29 @@ class FLESD(FedSSL):
         check_choice(options, "public_source", PUBLIC_SOURCES)
         check_choice(options, "similarity", ENCODING_MODES)
         if options["sparsify"] in ("paper", "code"):
-            raise ValueError(f"strategy.options.sparsify: {options['sparsify']!r} was renamed by what it does: "
-                             "zero_similarity (dropped similarities set to 0 before the exp, the paper's text and the "
-                             "official code; formerly 'code') or zero_probability (formerly 'paper')")
+            raise ValueError(
+                f"strategy.options.sparsify: {options['sparsify']!r} was renamed by what it does: "
+                "zero_similarity (dropped similarities set to 0 before the exp, the paper's text and the "
+                "official code; formerly 'code') or zero_probability (formerly 'paper')"
+            )
         check_choice(options, "sparsify", SPARSIFY_VARIANTS)
         check_choice(options, "queue_warmup", QUEUE_WARMUPS)
         check_choice(options, "key_encoder", KEY_ENCODERS)
         check_unit(options, "topk_fraction")
         check_positive(options, "topk_fraction")
-        for key in ("target_temperature", "student_temperature", "distill_iterations", "distill_batch_size",
-                    "queue_size", "distill_lr"):
+        for key in (
+            "target_temperature",
+            "student_temperature",
+            "distill_iterations",
+            "distill_batch_size",
+            "queue_size",
+            "distill_lr",
+        ):
             check_positive(options, key)
         if float(options["distill_weight_decay"]) < 0:
-            raise ValueError(f"strategy.options.distill_weight_decay: must be >= 0, got {options['distill_weight_decay']!r}")
+            raise ValueError(
+                f"strategy.options.distill_weight_decay: must be >= 0, got {options['distill_weight_decay']!r}"
+            )
         check_unit(options, "distill_momentum")
 
     def prepare(self, cfg, data, split) -> None:
@@ -100,7 +110,9 @@ class FLESD(FedSSL):
         self.public_digest = images_digest(self.public)
         self.device = resolve_device(cfg.train.device)
         self.model = build_ssl_model(cfg, seed=cfg.seed)
-        self.key_encoder: nn.Module | None = None  # the momentum encoder (carried over between rounds unless fresh_each_round)
+        self.key_encoder: nn.Module | None = (
+            None  # the momentum encoder (carried over between rounds unless fresh_each_round)
+        )
         # The local augmentation recipe (the experiment's ``augment`` section) makes the distillation's views.
         self.augment = build_augment(cfg, int(self.public.shape[1]))
         self.distill_stats: dict[int, dict[str, Any]] = {}
@@ -109,8 +121,10 @@ class FLESD(FedSSL):
     def traffic(self, model_bytes: int) -> str:
         n, o = len(self.public), self.options
         form = f"top {o['topk_fraction']:g} of each row" if o["similarity"] == TOPK else o["similarity"]
-        return (f"down: the distilled model, {model_bytes / 2**20:.2f} MiB, to the clients of {self.cfg.model.arch} "
-                f"only; up: no weights, a {n} x {n} similarity matrix of the public set per client ({form})")
+        return (
+            f"down: the distilled model, {model_bytes / 2**20:.2f} MiB, to the clients of {self.cfg.model.arch} "
+            f"only; up: no weights, a {n} x {n} similarity matrix of the public set per client ({form})"
+        )
 
     def trainable(self, available: list[int]) -> list[int]:
         if self.options["public_source"] == "client0":
@@ -119,9 +133,13 @@ class FLESD(FedSSL):
 
     def client_config(self, server_round: int) -> dict[str, Any]:
         o = self.options
-        return {**super().client_config(server_round), "public-source": o["public_source"],
-                "public-digest": self.public_digest, "similarity": o["similarity"],
-                "topk-fraction": float(o["topk_fraction"]) if o["similarity"] == TOPK else 0.0}
+        return {
+            **super().client_config(server_round),
+            "public-source": o["public_source"],
+            "public-digest": self.public_digest,
+            "similarity": o["similarity"],
+            "topk-fraction": float(o["topk_fraction"]) if o["similarity"] == TOPK else 0.0,
+        }
 
     def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
         """The distilled model only for clients of the global architecture; others keep their own."""
@@ -145,32 +163,53 @@ class FLESD(FedSSL):
         if self.key_encoder is None or o["key_encoder"] == "fresh_each_round":
             self.key_encoder = build_key_encoder(self.model)  # a copy of this round's student
         stats = distill(
-            self.model, self.public, ensemble, iterations=int(o["distill_iterations"]),
-            batch_size=min(int(o["distill_batch_size"]), n), queue_size=int(o["queue_size"]),
-            momentum=float(o["distill_momentum"]), temperature=float(o["student_temperature"]),
-            lr=float(o["distill_lr"]), weight_decay=float(o["distill_weight_decay"]), device=self.device,
-            fast_path=self.cfg.train.fast_path, seed=self.seed * 1009 + server_round, key_encoder=self.key_encoder,
-            augment=self.augment, queue_warmup=o["queue_warmup"],
+            self.model,
+            self.public,
+            ensemble,
+            iterations=int(o["distill_iterations"]),
+            batch_size=min(int(o["distill_batch_size"]), n),
+            queue_size=int(o["queue_size"]),
+            momentum=float(o["distill_momentum"]),
+            temperature=float(o["student_temperature"]),
+            lr=float(o["distill_lr"]),
+            weight_decay=float(o["distill_weight_decay"]),
+            device=self.device,
+            fast_path=self.cfg.train.fast_path,
+            seed=self.seed * 1009 + server_round,
+            key_encoder=self.key_encoder,
+            augment=self.augment,
+            queue_warmup=o["queue_warmup"],
         )
         self.model.cpu()
         del ensemble
         self.distill_stats[server_round] = {"ensemble_s": ensemble_s, **stats}
-        log(INFO, "round %d: ensembled %d similarity matrices (%dx%d) in %.1f s, distilled %s steps in %.1f s "
-            "(loss %.4f)", server_round, len(replies), n, n, ensemble_s, stats["steps"], stats["seconds"],
-            stats["loss"])
+        log(
+            INFO,
+            "round %d: ensembled %d similarity matrices (%dx%d) in %.1f s, distilled %s steps in %.1f s (loss %.4f)",
+            server_round,
+            len(replies),
+            n,
+            n,
+            ensemble_s,
+            stats["steps"],
+            stats["seconds"],
+            stats["loss"],
+        )
         shared, _ = split_state(self.model, self.exchange_prefixes(self.model))
         return to_array_record(state_to_numpy(shared))
 
     def checkpoint_state(self):
         plain, arrays, stores = super().checkpoint_state()
         if self.key_encoder is not None:  # carried over between rounds (key_encoder: carry_over)
-            arrays = {**arrays, **{f"key_encoder.{k}": v.detach().cpu().numpy()
-                                   for k, v in self.key_encoder.state_dict().items()}}
+            arrays = {
+                **arrays,
+                **{f"key_encoder.{k}": v.detach().cpu().numpy() for k, v in self.key_encoder.state_dict().items()},
+            }
         return plain, arrays, stores
 
     def restore_state(self, plain, arrays, stores) -> None:
         super().restore_state(plain, arrays, stores)
-        key_state = {k[len("key_encoder."):]: v for k, v in arrays.items() if k.startswith("key_encoder.")}
+        key_state = {k[len("key_encoder.") :]: v for k, v in arrays.items() if k.startswith("key_encoder.")}
         if key_state:
             self.key_encoder = build_key_encoder(self.model)
             load_partial_state(self.key_encoder, key_state)
@@ -199,15 +238,22 @@ class FLESD(FedSSL):
         if record is not None and server_round in self.distill_stats:
             d = self.distill_stats[server_round]
             o = self.options
-            record.update(distill_loss=d["loss"], distill_loss_first_quarter=d["loss_first_quarter"],
-                          distill_loss_last_quarter=d["loss_last_quarter"], distill_steps=d["steps"], distill_s=d["seconds"],
-                          distill_warmup_iterations=d["warmup_iterations"], ensemble_s=d["ensemble_s"],
-                          public_size=len(self.public), sparsify=o["sparsify"], queue_warmup=o["queue_warmup"],
-                          key_encoder=o["key_encoder"])
+            record.update(
+                distill_loss=d["loss"],
+                distill_loss_first_quarter=d["loss_first_quarter"],
+                distill_loss_last_quarter=d["loss_last_quarter"],
+                distill_steps=d["steps"],
+                distill_s=d["seconds"],
+                distill_warmup_iterations=d["warmup_iterations"],
+                ensemble_s=d["ensemble_s"],
+                public_size=len(self.public),
+                sparsify=o["sparsify"],
+                queue_warmup=o["queue_warmup"],
+                key_encoder=o["key_encoder"],
+            )
         return arrays, metrics
 
     def client_record(self, reply: Message) -> dict[str, Any]:
         record = super().client_record(reply)
         record["arch"] = self.cfg.client_arch(record["id"])
         return record
-

@@ -81,7 +81,7 @@ class StoredEncoders(Mapping):
         self.store, self.archs = store, dict(sorted(archs.items()))
 
     def __getitem__(self, name: str) -> ModelToEvaluate:
-        pid = int(name[len("client_"):]) if name.startswith("client_") and name[len("client_"):].isdigit() else None
+        pid = int(name[len("client_") :]) if name.startswith("client_") and name[len("client_") :].isdigit() else None
         state = self.store.load(pid) if pid is not None and pid in self.archs else None
         if pid is None or state is None:
             raise KeyError(name)
@@ -148,18 +148,27 @@ class HeteroSSFL(FedSSL):
         if not options["mu"] >= 0:
             raise ValueError(f"strategy.options.mu: must be >= 0 (got {options['mu']!r})")
         check_unit(options, "topk_fraction")
-        for key in ("topk_fraction", "rbf_threshold", "refresh_steps", "rad_batch_size", "rad_forward_batch",
-                    "eval_query_batch"):
+        for key in (
+            "topk_fraction",
+            "rbf_threshold",
+            "refresh_steps",
+            "rad_batch_size",
+            "rad_forward_batch",
+            "eval_query_batch",
+        ):
             check_positive(options, key)
         if options["rad_batch_size"] < 4:
-            raise ValueError(f"strategy.options.rad_batch_size: must be >= 4 (a CKA needs n > 3), "
-                             f"got {options['rad_batch_size']!r}")
+            raise ValueError(
+                f"strategy.options.rad_batch_size: must be >= 4 (a CKA needs n > 3), got {options['rad_batch_size']!r}"
+            )
 
     @classmethod
     def check_config(cls, cfg) -> None:
         if not cfg.data.public_size:
-            raise ValueError("data.public_size: Hetero-SSFL needs the RAD (representation alignment dataset), the "
-                             "server-held split: set a count (the paper: 5000) or a fraction")
+            raise ValueError(
+                "data.public_size: Hetero-SSFL needs the RAD (representation alignment dataset), the "
+                "server-held split: set a count (the paper: 5000) or a fraction"
+            )
 
     # ------------------------------------------------------------------ setup
     def prepare(self, cfg, data, split) -> None:
@@ -176,15 +185,25 @@ class HeteroSSFL(FedSSL):
         self.eval_bytes: dict[int, int] = {}
         # Each client's image count (data_size kernel weights for K_bar(0), before any client has reported it).
         self.num_examples = {pid: len(idx) for pid, idx in enumerate(split.client_idx)} if split is not None else {}
-        log(INFO, "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s", self.rad_size,
-            self.rad_digest[:16], [cfg.client_arch(i) for i in range(cfg.federation.num_clients)])
+        log(
+            INFO,
+            "Hetero-SSFL RAD: %d images, sha256 %s; client architectures %s",
+            self.rad_size,
+            self.rad_digest[:16],
+            [cfg.client_arch(i) for i in range(cfg.federation.num_clients)],
+        )
 
     def traffic(self, model_bytes: int) -> str:
         n = self.rad_size
-        first = ("before round 1 each client's kernel of its initial model (K_bar(0))"
-                 if self.options["initial_kernels"] == "query" else "from round 2")
-        return (f"no weights: up, the client's {n} x {n} RAD kernel ({self.options['kernel_encoding']}); down, "
-                f"K_bar of the same size ({first}); each client's encoder travels up only for evaluation")
+        first = (
+            "before round 1 each client's kernel of its initial model (K_bar(0))"
+            if self.options["initial_kernels"] == "query"
+            else "from round 2"
+        )
+        return (
+            f"no weights: up, the client's {n} x {n} RAD kernel ({self.options['kernel_encoding']}); down, "
+            f"K_bar of the same size ({first}); each client's encoder travels up only for evaluation"
+        )
 
     def init_kernel_store(self, rad_size: int) -> None:
         """An empty store of the clients' kernels for a RAD of ``rad_size`` images (each client's latest kernel,
@@ -229,28 +248,40 @@ class HeteroSSFL(FedSSL):
     def configure_train(self, server_round, arrays, config, grid):
         if server_round == 1 and not self.kernel_info and self.options["initial_kernels"] == "query":
             self.query_initial_kernels(self.wait_for_clients(grid, server_round), grid)
-        self._kbar_stats[server_round] = {"kbar_clients": len(self.kbar_clients),
-                                          "kbar_bytes_per_client": record_bytes(self.kbar_record)}
+        self._kbar_stats[server_round] = {
+            "kbar_clients": len(self.kbar_clients),
+            "kbar_bytes_per_client": record_bytes(self.kbar_record),
+        }
         return super().configure_train(server_round, arrays, config, grid)
 
     # ------------------------------------------------------------------ kernels
-    def query_clients(self, grid: Grid, server_round: int, pids: list[int], message_type: str,
-                      group: str) -> Iterator[tuple[int | None, Message | None]]:
+    def query_clients(
+        self, grid: Grid, server_round: int, pids: list[int], message_type: str, group: str
+    ) -> Iterator[tuple[int | None, Message | None]]:
         """Send ``message_type`` (a query: no training) to the clients ``pids``, ``eval_query_batch`` at a time, and
         yield (partition id, reply) as replies arrive (id None for an error reply); a client that does not answer
         in time yields (pid, None)."""
         batch = int(self.options["eval_query_batch"])
         for start in range(0, len(pids), batch):
-            chunk = [pid for pid in pids[start:start + batch] if pid in self.clients]
+            chunk = [pid for pid in pids[start : start + batch] if pid in self.clients]
             messages = []
             for pid in chunk:
-                content = RecordDict({"config": ConfigRecord({"experiment": self.cfg.to_json(),
-                                                              "server-round": server_round,
-                                                              **self.client_config(server_round)})})
+                content = RecordDict(
+                    {
+                        "config": ConfigRecord(
+                            {
+                                "experiment": self.cfg.to_json(),
+                                "server-round": server_round,
+                                **self.client_config(server_round),
+                            }
+                        )
+                    }
+                )
                 if self.server_store is not None:
                     content[CLIENT_STATE_RECORD] = to_array_record(self.server_store.load(pid) or {})
-                messages.append(Message(content, dst_node_id=self.clients[pid], message_type=message_type,
-                                        group_id=group))
+                messages.append(
+                    Message(content, dst_node_id=self.clients[pid], message_type=message_type, group_id=group)
+                )
             answered = set()
             for reply in send_and_receive(grid, messages, self.cfg.federation.round_timeout_s):
                 if reply.has_error():
@@ -288,24 +319,39 @@ class HeteroSSFL(FedSSL):
             log(WARNING, "initial kernels: client %s gave none (%s)", f["id"], f["reason"])
         if self.kernel_info:
             self.update_kbar()
-        self._initial = {"initial_kernel_clients": len(norms), "initial_kernel_bytes_up": up,
-                         "initial_kernel_norms": norms, "initial_kernel_s": time.perf_counter() - t0,
-                         **({"initial_kernel_failed": failed} if failed else {})}
-        log(INFO, "K_bar(0) from %d initial kernels (%.1f s); kernel norms ||HKH||_F %s", len(norms),
-            self._initial["initial_kernel_s"], {k: round(v, 3) for k, v in norms.items()})
+        self._initial = {
+            "initial_kernel_clients": len(norms),
+            "initial_kernel_bytes_up": up,
+            "initial_kernel_norms": norms,
+            "initial_kernel_s": time.perf_counter() - t0,
+            **({"initial_kernel_failed": failed} if failed else {}),
+        }
+        log(
+            INFO,
+            "K_bar(0) from %d initial kernels (%.1f s); kernel norms ||HKH||_F %s",
+            len(norms),
+            self._initial["initial_kernel_s"],
+            {k: round(v, 3) for k, v in norms.items()},
+        )
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
         """Keep each client's new kernel on disk, then form the next K_bar over the latest kernel of every
         client. Returns None: there is no global model."""
         for reply, client in zip(replies, clients):
-            self.store_kernel(client["id"], from_array_record(cast(ArrayRecord, reply.content[KERNEL_RECORD])), server_round,
-                              client["num_examples"])
+            self.store_kernel(
+                client["id"],
+                from_array_record(cast(ArrayRecord, reply.content[KERNEL_RECORD])),
+                server_round,
+                client["num_examples"],
+            )
             self.trained[client["id"]] = self.trained.get(client["id"], 0) + 1
         t0 = time.perf_counter()
         self.update_kbar()
         self._kbar_stats.setdefault(server_round, {}).update(
-            kernel_average_s=time.perf_counter() - t0, kernels_stored=len(self.kernel_info),
-            kernel_store_mib=self.kernels.size_bytes() / 2**20)
+            kernel_average_s=time.perf_counter() - t0,
+            kernels_stored=len(self.kernel_info),
+            kernel_store_mib=self.kernels.size_bytes() / 2**20,
+        )
 
     def _stored_kernels(self) -> Iterable[tuple[dict, float]]:
         """(payload, weight) of every client's latest kernel, read from disk one at a time."""
@@ -318,12 +364,18 @@ class HeteroSSFL(FedSSL):
 
     def checkpoint_state(self):
         plain, arrays, stores = super().checkpoint_state()
-        plain = {**plain, "kernel_info": {str(k): v for k, v in self.kernel_info.items()},
-                 "trained": {str(k): v for k, v in self.trained.items()},
-                 "fetched": {str(k): v for k, v in self.fetched.items()},
-                 "eval_bytes": {str(k): v for k, v in self.eval_bytes.items()}}
-        return plain, arrays, {**stores, "server-kernels": str(self.kernels.root),
-                               "server-encoders": str(self.encoders.root)}
+        plain = {
+            **plain,
+            "kernel_info": {str(k): v for k, v in self.kernel_info.items()},
+            "trained": {str(k): v for k, v in self.trained.items()},
+            "fetched": {str(k): v for k, v in self.fetched.items()},
+            "eval_bytes": {str(k): v for k, v in self.eval_bytes.items()},
+        }
+        return (
+            plain,
+            arrays,
+            {**stores, "server-kernels": str(self.kernels.root), "server-encoders": str(self.encoders.root)},
+        )
 
     def restore_state(self, plain, arrays, stores) -> None:
         super().restore_state(plain, arrays, stores)
@@ -357,8 +409,11 @@ class HeteroSSFL(FedSSL):
         record = self.round_records.get(server_round)
         if record is not None:
             ok = [r for r in replies if not r.has_error()]
-            record.update(rad_size=self.rad_size, **self._kbar_stats.pop(server_round, {}),
-                          kernel_bytes_up=sum(record_bytes(r.content[KERNEL_RECORD]) for r in ok))
+            record.update(
+                rad_size=self.rad_size,
+                **self._kbar_stats.pop(server_round, {}),
+                kernel_bytes_up=sum(record_bytes(r.content[KERNEL_RECORD]) for r in ok),
+            )
             if self._initial:  # round 1: the K_bar(0) query's kernels travelled up too
                 record.update(self._initial)
                 record["bytes_up"] += int(self._initial["initial_kernel_bytes_up"])
@@ -371,7 +426,7 @@ class HeteroSSFL(FedSSL):
         m = reply.content["metrics"]
         for key in m:
             if key.startswith("align."):
-                record[key[len("align."):]] = m[key]
+                record[key[len("align.") :]] = m[key]
         return record
 
     # ------------------------------------------------------------------ evaluation: fetch the clients' encoders
@@ -379,8 +434,9 @@ class HeteroSSFL(FedSSL):
         every = self.cfg.eval.knn_every
         return server_round == self.cfg.rounds or bool(every and server_round % every == 0)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """At kNN rounds and after the last round, fetch the encoder of every client that has trained (to the
         server's disk). Sent here, in batches, rather than returned: the replies are written to disk batch by
         batch, so the server never holds more than ``eval_query_batch`` encoders."""
@@ -400,8 +456,9 @@ class HeteroSSFL(FedSSL):
                 self.encoders.save(pid, {k: v for k, v in state.items() if k.startswith("backbone.")})
                 self.fetched[pid] = self.cfg.client_arch(pid)
         else:
-            for pid, reply in self.query_clients(grid, server_round, pids, ENCODER_QUERY_MESSAGE_TYPE,
-                                                 f"eval-{server_round}"):
+            for pid, reply in self.query_clients(
+                grid, server_round, pids, ENCODER_QUERY_MESSAGE_TYPE, f"eval-{server_round}"
+            ):
                 if reply is None:
                     failed.append({"id": pid, "reason": "no encoder reply"})
                 elif reply.has_error():
@@ -413,18 +470,27 @@ class HeteroSSFL(FedSSL):
                     self.encoders.save(pid, from_array_record(encoder))
                     self.fetched[pid] = self.cfg.client_arch(pid)
         for f in failed:
-            log(WARNING, "round %d: encoder query failed (%s); its last fetched encoder, if any, is scored",
-                server_round, f)
+            log(
+                WARNING,
+                "round %d: encoder query failed (%s); its last fetched encoder, if any, is scored",
+                server_round,
+                f,
+            )
         self.eval_bytes[server_round] = up
         record = self.round_records.setdefault(server_round, {"round": server_round})
-        record.update(eval_bytes_up=up, eval_clients=len(pids) - len(failed), eval_fetch_s=time.perf_counter() - t0,
-                      **({"eval_failed": failed} if failed else {}))
+        record.update(
+            eval_bytes_up=up,
+            eval_clients=len(pids) - len(failed),
+            eval_fetch_s=time.perf_counter() - t0,
+            **({"eval_failed": failed} if failed else {}),
+        )
 
     def models_to_evaluate(self, arrays: ArrayRecord) -> Mapping[str, ModelToEvaluate]:
         """Every fetched client encoder (``client_<i>``, its own architecture), read lazily from disk."""
         if not self.fetched:
-            raise RuntimeError("Hetero-SSFL has no client encoder to evaluate (no client has trained, or every "
-                               "encoder query failed)")
+            raise RuntimeError(
+                "Hetero-SSFL has no client encoder to evaluate (no client has trained, or every encoder query failed)"
+            )
         return StoredEncoders(self.encoders, self.fetched)
 
     def summary_extras(self, scores_by_model: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -436,14 +502,31 @@ class HeteroSSFL(FedSSL):
             "never_trained": [i for i in range(n) if i not in self.trained],
             "eval_bytes_up_total": int(sum(self.eval_bytes.values())),
             "rad_size": self.rad_size,
-            "heterossfl": {**{key: self.options[key] for key in (
-                               "mu", "representation", "kernel", "kernel_encoding", "kernel_weights", "refresh",
-                               "refresh_steps", "rad_batch_size", "kernel_normalization", "bn_mode",
-                               "rad_precision", "initial_kernels")},
-                           "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see the method's page)",
-                           "round_1": ("aligned to K_bar(0) of the initial models"
-                                       if self.options["initial_kernels"] == "query"
-                                       else "local SSL only (no kernel yet)")},
+            "heterossfl": {
+                **{
+                    key: self.options[key]
+                    for key in (
+                        "mu",
+                        "representation",
+                        "kernel",
+                        "kernel_encoding",
+                        "kernel_weights",
+                        "refresh",
+                        "refresh_steps",
+                        "rad_batch_size",
+                        "kernel_normalization",
+                        "bn_mode",
+                        "rad_precision",
+                        "initial_kernels",
+                    )
+                },
+                "alignment": "1 - linear CKA (the paper's Eq. 2 adds CKA; see the method's page)",
+                "round_1": (
+                    "aligned to K_bar(0) of the initial models"
+                    if self.options["initial_kernels"] == "query"
+                    else "local SSL only (no kernel yet)"
+                ),
+            },
         }
 
 

@@ -93,8 +93,16 @@ from .replies import array_spec
 
 CLIENT_TARGETS = ("reset", "keep")
 BYTE_KEYS = ("bytes_down", "bytes_up", "bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads")
-MAXIMA = ("flops_total", "flops_fvcore_equivalent", "flops_expected", "mem_total", "mem_activations", "mem_batch",
-          "rss_peak_bytes", "cuda_peak_bytes")
+MAXIMA = (
+    "flops_total",
+    "flops_fvcore_equivalent",
+    "flops_expected",
+    "mem_total",
+    "mem_activations",
+    "mem_batch",
+    "rss_peak_bytes",
+    "cuda_peak_bytes",
+)
 LOCAL = -1  # the version of an entry a client trained itself (no global version)
 
 
@@ -154,18 +162,24 @@ class LayerwiseFedSSL(FedSSL):
     @classmethod
     def check_config(cls, cfg) -> None:
         if cfg.model.arch != "vit_tiny":
-            raise ValueError(f"model.arch: strategy {cls.name!r} grows a ViT block by block: set model.arch: vit_tiny "
-                             f"(got {cfg.model.arch!r})")
+            raise ValueError(
+                f"model.arch: strategy {cls.name!r} grows a ViT block by block: set model.arch: vit_tiny "
+                f"(got {cfg.model.arch!r})"
+            )
         stages = cfg.strategy.options.get("stages", cls.default_options()["stages"])
         if cfg.rounds < stages:
-            raise ValueError(f"rounds: {cfg.rounds} rounds cannot hold strategy.options.stages={stages} stages "
-                             "(every stage needs at least one round)")
+            raise ValueError(
+                f"rounds: {cfg.rounds} rounds cannot hold strategy.options.stages={stages} stages "
+                "(every stage needs at least one round)"
+            )
         depth = cfg.model.options.get("depth")
         if depth is not None and depth != stages:
             # The grown model has one block per stage: a different model depth would be silently ignored.
-            raise ValueError(f"model.options.depth={depth} disagrees with strategy.options.stages={stages}: a "
-                             f"layer-wise run ends with one block per stage (drop model.options.depth or set it "
-                             f"to {stages})")
+            raise ValueError(
+                f"model.options.depth={depth} disagrees with strategy.options.stages={stages}: a "
+                f"layer-wise run ends with one block per stage (drop model.options.depth or set it "
+                f"to {stages})"
+            )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -178,9 +192,11 @@ class LayerwiseFedSSL(FedSSL):
         self._positions: dict[int, StagePosition] = {}
         self._grown: dict[int, int] = {}  # round -> stage started there with a new block
         self.calibration_stats: dict[int, dict[str, Any]] = {}  # this round's, until its record takes it
-        self.resources: dict[str, Any] = {"per_client": {}, "by_stage_max": {},
-                                          "run": {**{k: 0 for k in BYTE_KEYS if "encoder" in k or "heads" in k},
-                                                  "flops_run": 0.0}}
+        self.resources: dict[str, Any] = {
+            "per_client": {},
+            "by_stage_max": {},
+            "run": {**{k: 0 for k in BYTE_KEYS if "encoder" in k or "heads" in k}, "flops_run": 0.0},
+        }
         self._resumed = False
         self._reply_round = 0
         self._reply_spec: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}
@@ -192,8 +208,16 @@ class LayerwiseFedSSL(FedSSL):
         self.rounds_per_stage = stage_rounds(cfg.rounds, int(o["stages"]), str(o["allocation"]))
         self.device = resolve_device(cfg.train.device)
         self.heads = head_prefixes(build_layerwise_model(cfg, 1, seed=cfg.seed))
-        log(INFO, "%s: %d stages, rounds per stage %s (%s), new blocks %s, lr %s", self.name, len(self.rounds_per_stage),
-            self.rounds_per_stage, o["allocation"], o["new_block_init"], o["lr_strategy"])
+        log(
+            INFO,
+            "%s: %d stages, rounds per stage %s (%s), new blocks %s, lr %s",
+            self.name,
+            len(self.rounds_per_stage),
+            self.rounds_per_stage,
+            o["allocation"],
+            o["new_block_init"],
+            o["lr_strategy"],
+        )
 
     def position(self, server_round: int) -> StagePosition:
         return stage_of_round(server_round, self.rounds_per_stage)
@@ -227,21 +251,30 @@ class LayerwiseFedSSL(FedSSL):
             return
         self.global_state = select(state, submodel_prefixes(1, self.heads))
         if state_depth(self.global_state) != 1:
-            raise ValueError(f"the initial model must hold the stage-1 sub-model (1 block), got "
-                             f"{state_depth(self.global_state)} blocks")
+            raise ValueError(
+                f"the initial model must hold the stage-1 sub-model (1 block), got "
+                f"{state_depth(self.global_state)} blocks"
+            )
         self._bump(self.global_state)
 
     def _grow(self, server_round: int) -> None:
         assert self.global_state is not None
         depth = self.depth
-        grown = grow_online_state(self.cfg, self.global_state, str(self.options["new_block_init"]),
-                                  seed=self.seed * 7_919 + depth + 1)
+        grown = grow_online_state(
+            self.cfg, self.global_state, str(self.options["new_block_init"]), seed=self.seed * 7_919 + depth + 1
+        )
         new_keys = [k for k in grown if k not in self.global_state]
         self.global_state = grown
         self._bump(new_keys)
         self._grown[server_round] = depth + 1
-        log(INFO, "round %d: stage %d starts: block %d appended (%s)", server_round, depth + 1, depth + 1,
-            self.options["new_block_init"])
+        log(
+            INFO,
+            "round %d: stage %d starts: block %d appended (%s)",
+            server_round,
+            depth + 1,
+            depth + 1,
+            self.options["new_block_init"],
+        )
 
     def download_keys(self, partition_id: int, depth: int) -> list[str]:
         """What the client gets this round: the entries it trains, and every entry whose current global version it
@@ -256,16 +289,25 @@ class LayerwiseFedSSL(FedSSL):
         o = self.options
         pos = self._positions.get(server_round) or self.position(server_round)
         start, end = pos.progress
-        return {**super().client_config(server_round), "lr": self.round_lr(server_round),
-                "lw-variant": self.variant, "lw-stage": pos.stage, "lw-trainable": self.trainable_mode,
-                "lw-depth-dropout": float(o.get("depth_dropout", 0.0)), "lw-alpha": float(o.get("alpha", 0.0)),
-                "lw-align-temperature": float(o.get("align_temperature", 0.2)),
-                "lw-align-symmetric": bool(o.get("align_symmetric", True)),
-                "lw-client-target": str(o["client_target"]), "lw-accounting": bool(o["resource_accounting"]),
-                "lw-progress-start": float(start), "lw-progress-end": float(end)}
+        return {
+            **super().client_config(server_round),
+            "lr": self.round_lr(server_round),
+            "lw-variant": self.variant,
+            "lw-stage": pos.stage,
+            "lw-trainable": self.trainable_mode,
+            "lw-depth-dropout": float(o.get("depth_dropout", 0.0)),
+            "lw-alpha": float(o.get("alpha", 0.0)),
+            "lw-align-temperature": float(o.get("align_temperature", 0.2)),
+            "lw-align-symmetric": bool(o.get("align_symmetric", True)),
+            "lw-client-target": str(o["client_target"]),
+            "lw-accounting": bool(o["resource_accounting"]),
+            "lw-progress-start": float(start),
+            "lw-progress-end": float(end),
+        }
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         if self.global_state is None:
             self._init_global(arrays)
         assert self.global_state is not None
@@ -284,8 +326,13 @@ class LayerwiseFedSSL(FedSSL):
             encoder, heads = entry_bytes(record)
             names = record_names(record)
             blocks = sorted({int(k.split(".")[2]) + 1 for k in names if k.startswith("backbone.blocks.")})
-            down[pid] = {"bytes_down": encoder + heads, "bytes_down_encoder": encoder, "bytes_down_heads": heads,
-                         "blocks_down": blocks, "full_submodel_down": len(names) == len(self.global_state)}
+            down[pid] = {
+                "bytes_down": encoder + heads,
+                "bytes_down_encoder": encoder,
+                "bytes_down_heads": heads,
+                "blocks_down": blocks,
+                "full_submodel_down": len(names) == len(self.global_state),
+            }
         return messages
 
     def arrays_for_client(self, server_round: int, partition_id: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -294,8 +341,9 @@ class LayerwiseFedSSL(FedSSL):
         self._sent_versions.setdefault(server_round, {})[partition_id] = {k: self.key_version[k] for k in keys}
         return to_array_record(OrderedDict((k, self.global_state[k]) for k in keys))
 
-    def expected_reply_arrays(self, server_round: int, partition_id: int
-                              ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]] | None:
+    def expected_reply_arrays(
+        self, server_round: int, partition_id: int
+    ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]] | None:
         """A reply carries exactly the round's trained entries (their names, shapes and dtypes)."""
         if server_round not in self._reply_spec:
             pos = self._positions.get(server_round)
@@ -313,8 +361,10 @@ class LayerwiseFedSSL(FedSSL):
             state = from_array_record(cast(ArrayRecord, r.content["arrays"]))
             if set(state) != set(expected):
                 extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-                raise RuntimeError(f"round {server_round}: client {c['id']} uploaded other entries than the stage-"
-                                   f"{self.depth} round trains (unexpected {extra[:3]}, missing {missing[:3]})")
+                raise RuntimeError(
+                    f"round {server_round}: client {c['id']} uploaded other entries than the stage-"
+                    f"{self.depth} round trains (unexpected {extra[:3]}, missing {missing[:3]})"
+                )
             states.append(OrderedDict((k, state[k]) for k in expected))
         averaged = weighted_average(states, [c["num_examples"] for c in clients])
         self.global_state.update(averaged)
@@ -324,8 +374,9 @@ class LayerwiseFedSSL(FedSSL):
     def _calibrate(self, server_round: int) -> None:
         """Hook: LW-FedSSL calibrates the whole sub-model on the server at the start of every round."""
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         self._reply_round = server_round
         arrays, metrics = super().aggregate_train(server_round, list(replies))
         record = self.round_records[server_round]
@@ -342,16 +393,24 @@ class LayerwiseFedSSL(FedSSL):
                 self.client_versions.pop(pid, None)
         pos = self._positions[server_round]
         clients = record["clients"]
-        record.update({
-            "variant": self.variant, "stage": pos.stage, "depth": depth, "round_in_stage": pos.round_in_stage,
-            "stage_rounds": pos.stage_rounds, "stage_start": pos.is_stage_start,
-            "new_block": self._grown.get(server_round), "trainable": self.trainable_mode,
-            "lr": self.round_lr(server_round), "lr_strategy": self.options["lr_strategy"],
-            "bytes_down_encoder": sum(d["bytes_down_encoder"] for d in self._down.get(server_round, {}).values()),
-            "bytes_down_heads": sum(d["bytes_down_heads"] for d in self._down.get(server_round, {}).values()),
-            "bytes_up_encoder": sum(c.get("bytes_up_encoder", 0) for c in clients),
-            "bytes_up_heads": sum(c.get("bytes_up_heads", 0) for c in clients),
-        })
+        record.update(
+            {
+                "variant": self.variant,
+                "stage": pos.stage,
+                "depth": depth,
+                "round_in_stage": pos.round_in_stage,
+                "stage_rounds": pos.stage_rounds,
+                "stage_start": pos.is_stage_start,
+                "new_block": self._grown.get(server_round),
+                "trainable": self.trainable_mode,
+                "lr": self.round_lr(server_round),
+                "lr_strategy": self.options["lr_strategy"],
+                "bytes_down_encoder": sum(d["bytes_down_encoder"] for d in self._down.get(server_round, {}).values()),
+                "bytes_down_heads": sum(d["bytes_down_heads"] for d in self._down.get(server_round, {}).values()),
+                "bytes_up_encoder": sum(c.get("bytes_up_encoder", 0) for c in clients),
+                "bytes_up_heads": sum(c.get("bytes_up_heads", 0) for c in clients),
+            }
+        )
         if server_round in self.calibration_stats:
             record["calibration"] = self.calibration_stats.pop(server_round)
         self._down.pop(server_round, None)
@@ -363,7 +422,7 @@ class LayerwiseFedSSL(FedSSL):
         m = reply.content["metrics"]
         for key in m:
             if key.startswith("lw."):
-                record[key[len("lw."):]] = m[key]
+                record[key[len("lw.") :]] = m[key]
         encoder, heads = entry_bytes(cast(ArrayRecord, reply.content["arrays"]))
         record.update(bytes_up_encoder=encoder, bytes_up_heads=heads)
         record.update(self._down.get(self._reply_round, {}).get(record["id"], {}))
@@ -372,10 +431,13 @@ class LayerwiseFedSSL(FedSSL):
     def traffic(self, model_bytes: int) -> str:
         """The first progress line's words on what travels (``model_bytes``: the stage-1 sub-model's size)."""
         down = {"lwfedssl": "blocks 1..s + heads", "prog_fedssl": "blocks 1..s + heads"}.get(
-            self.variant, "block s + heads, plus what a client lacks")
+            self.variant, "block s + heads, plus what a client lacks"
+        )
         up = "blocks 1..s + heads" if self.trainable_mode == "all" else "block s + heads"
-        return (f"{self.variant}: stage-1 sub-model {model_bytes / 2**20:.2f} MiB; per client and round down {down}, "
-                f"up {up} (metrics.jsonl: bytes_*_encoder / bytes_*_heads)")
+        return (
+            f"{self.variant}: stage-1 sub-model {model_bytes / 2**20:.2f} MiB; per client and round down {down}, "
+            f"up {up} (metrics.jsonl: bytes_*_encoder / bytes_*_heads)"
+        )
 
     # ------------------------------------------------------------------ evaluation and summary
     def models_to_evaluate(self, arrays: ArrayRecord) -> dict[str, ModelToEvaluate]:
@@ -385,11 +447,18 @@ class LayerwiseFedSSL(FedSSL):
         o = self.options
         extras = {
             **super().summary_extras(scores_by_model),
-            "layerwise": {"variant": self.variant, "stages": int(o["stages"]), "allocation": o["allocation"],
-                          "rounds_per_stage": list(self.rounds_per_stage), "new_block_init": o["new_block_init"],
-                          "lr_strategy": o["lr_strategy"], "trainable": self.trainable_mode,
-                          "client_target": o["client_target"], "final_depth": self.depth,
-                          "stage_starts": {str(stage): rnd for rnd, stage in sorted(self._grown.items())}},
+            "layerwise": {
+                "variant": self.variant,
+                "stages": int(o["stages"]),
+                "allocation": o["allocation"],
+                "rounds_per_stage": list(self.rounds_per_stage),
+                "new_block_init": o["new_block_init"],
+                "lr_strategy": o["lr_strategy"],
+                "trainable": self.trainable_mode,
+                "client_target": o["client_target"],
+                "final_depth": self.depth,
+                "stage_starts": {str(stage): rnd for rnd, stage in sorted(self._grown.items())},
+            },
             "resources": self.resource_summary(),
         }
         return extras
@@ -403,8 +472,9 @@ class LayerwiseFedSSL(FedSSL):
         for key in ("bytes_down_encoder", "bytes_down_heads", "bytes_up_encoder", "bytes_up_heads"):
             run[key] += int(record.get(key, 0))
         for c in record["clients"]:
-            mine = acc["per_client"].setdefault(str(c["id"]), {"rounds": 0, **{k: 0 for k in BYTE_KEYS},
-                                                               "flops_run": 0.0})
+            mine = acc["per_client"].setdefault(
+                str(c["id"]), {"rounds": 0, **{k: 0 for k in BYTE_KEYS}, "flops_run": 0.0}
+            )
             mine["rounds"] += 1
             for key in BYTE_KEYS:
                 mine[key] += int(c.get(key, 0))
@@ -414,8 +484,11 @@ class LayerwiseFedSSL(FedSSL):
             for key in MAXIMA:
                 if c.get(key) is not None:
                     value = float(c[key])
-                    for where, name in ((mine, f"{key}_max"), (run, f"{key}_max"),
-                                        (acc["by_stage_max"].setdefault(stage, {}), key)):
+                    for where, name in (
+                        (mine, f"{key}_max"),
+                        (run, f"{key}_max"),
+                        (acc["by_stage_max"].setdefault(stage, {}), key),
+                    ):
                         where[name] = max(where.get(name, value), value)
         if "calibration" in record:
             cal = acc.setdefault("calibration", {"rounds": 0, "steps": 0, "seconds": 0.0})
@@ -430,8 +503,10 @@ class LayerwiseFedSSL(FedSSL):
         run = out["run"]
         run["bytes_down"] = run["bytes_down_encoder"] + run["bytes_down_heads"]
         run["bytes_up"] = run["bytes_up_encoder"] + run["bytes_up_heads"]
-        out["units"] = ("bytes; FLOPs per sample (image, both views) of one local step; flops_run = FLOPs per sample "
-                        "(expected, with depth dropout) x images trained, summed; mem_* analytic bytes of one step")
+        out["units"] = (
+            "bytes; FLOPs per sample (image, both views) of one local step; flops_run = FLOPs per sample "
+            "(expected, with depth dropout) x images trained, summed; mem_* analytic bytes of one step"
+        )
         if self.options["resource_accounting"] and self.global_state is not None:
             out["reference_e2e"] = self.end_to_end_reference()
         return out
@@ -439,10 +514,16 @@ class LayerwiseFedSSL(FedSSL):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self):
         plain, arrays, stores = super().checkpoint_state()
-        plain = {**plain, "layerwise": {
-            "key_version": dict(self.key_version), "next_version": self._next_version,
-            "client_versions": {str(pid): dict(v) for pid, v in self.client_versions.items()},
-            "grown": {str(r): s for r, s in self._grown.items()}, "resources": copy.deepcopy(self.resources)}}
+        plain = {
+            **plain,
+            "layerwise": {
+                "key_version": dict(self.key_version),
+                "next_version": self._next_version,
+                "client_versions": {str(pid): dict(v) for pid, v in self.client_versions.items()},
+                "grown": {str(r): s for r, s in self._grown.items()},
+                "resources": copy.deepcopy(self.resources),
+            },
+        }
         return plain, arrays, stores
 
     def restore_state(self, plain, arrays, stores) -> None:
@@ -450,8 +531,9 @@ class LayerwiseFedSSL(FedSSL):
         state = plain["layerwise"]
         self.key_version = {k: int(v) for k, v in state["key_version"].items()}
         self._next_version = int(state["next_version"])
-        self.client_versions = {int(pid): {k: int(v) for k, v in held.items()}
-                                for pid, held in state["client_versions"].items()}
+        self.client_versions = {
+            int(pid): {k: int(v) for k, v in held.items()} for pid, held in state["client_versions"].items()
+        }
         self._grown = {int(r): int(s) for r, s in state["grown"].items()}
         self.resources = copy.deepcopy(state["resources"])
         self._resumed = True  # the next round's arrays are the checkpoint's whole global sub-model
@@ -465,13 +547,19 @@ class LayerwiseFedSSL(FedSSL):
         load_partial_state(method, self.global_state)
         configure_local_model(method, "all")
         t = self.cfg.train
-        figures = resource_account(method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum,
-                                   device=self.device)
+        figures = resource_account(
+            method, optimizer=t.optimizer, batch_size=batch, sgd_momentum=t.momentum, device=self.device
+        )
         encoder, heads = entry_bytes(to_array_record(self.global_state))
-        return {"depth": self.depth, **figures, "bytes_per_message": encoder + heads,
-                "bytes_per_message_encoder": encoder, "bytes_per_message_heads": heads,
-                "what": "one FedMoCoV3 client step on the final-depth model (every block trains); its messages carry "
-                        "the whole model both ways"}
+        return {
+            "depth": self.depth,
+            **figures,
+            "bytes_per_message": encoder + heads,
+            "bytes_per_message_encoder": encoder,
+            "bytes_per_message_heads": heads,
+            "what": "one FedMoCoV3 client step on the final-depth model (every block trains); its messages carry "
+            "the whole model both ways",
+        }
 
 
 class LWFedSSL(LayerwiseFedSSL):
@@ -503,22 +591,27 @@ class LWFedSSL(LayerwiseFedSSL):
         check_positive(options, "align_temperature")
         if not isinstance(options["align_symmetric"], bool):
             raise ValueError(  # noqa: TRY004 - a config error, as a ValueError
-                f"strategy.options.align_symmetric: must be true or false (got {options['align_symmetric']!r})")
+                f"strategy.options.align_symmetric: must be true or false (got {options['align_symmetric']!r})"
+            )
         if options["calibration_epochs"] is not None:
             _check_int(options, "calibration_epochs", 0)
         _check_non_negative(options, "calibration_lr")
         _check_int(options, "calibration_batch_size", 0)
         if options["calibration_batch_size"] == 1:
-            raise ValueError("strategy.options.calibration_batch_size: must be 0 (train.batch_size) or >= 2 "
-                             "(contrastive losses need pairs)")
+            raise ValueError(
+                "strategy.options.calibration_batch_size: must be 0 (train.batch_size) or >= 2 "
+                "(contrastive losses need pairs)"
+            )
 
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
         if cfg.strategy.options.get("calibration_epochs") != 0 and not cfg.data.public_size:
-            raise ValueError("data.public_size: LW-FedSSL calibrates on the server's auxiliary data, the server-held "
-                             "split (never given to a client): set a fraction (the paper: 0.1) or a count, or turn "
-                             "calibration off with strategy.options.calibration_epochs: 0")
+            raise ValueError(
+                "data.public_size: LW-FedSSL calibrates on the server's auxiliary data, the server-held "
+                "split (never given to a client): set a fraction (the paper: 0.1) or a count, or turn "
+                "calibration off with strategy.options.calibration_epochs: 0"
+            )
 
     @property
     def calibration_epochs(self) -> int:
@@ -544,20 +637,43 @@ class LWFedSSL(LayerwiseFedSSL):
         method = build_layerwise_model(self.cfg, self.depth, seed=self.cfg.seed)
         load_partial_state(method, self.global_state)
         t0 = time.perf_counter()
-        stats = calibrate(self.cfg, method, self.aux, epochs=self.calibration_epochs, lr=lr,
-                          seed=self.seed * 1_009 + server_round, device=self.device,
-                          batch_size=int(o["calibration_batch_size"]), progress=pos.progress)
+        stats = calibrate(
+            self.cfg,
+            method,
+            self.aux,
+            epochs=self.calibration_epochs,
+            lr=lr,
+            seed=self.seed * 1_009 + server_round,
+            device=self.device,
+            batch_size=int(o["calibration_batch_size"]),
+            progress=pos.progress,
+        )
         method.cpu()
         calibrated = online_state(method)
         self.global_state = OrderedDict((k, calibrated[k]) for k in self.global_state)
         self._bump(self.global_state)
-        self.calibration_stats[server_round] = {"loss": stats.loss, "steps": stats.steps, "seconds": stats.seconds,
-                                                "wall_s": time.perf_counter() - t0, "lr": lr,
-                                                "epochs": self.calibration_epochs, "aux_images": len(self.aux),
-                                                "depth": self.depth}
-        log(INFO, "round %d: calibrated the %d-block sub-model on %d auxiliary images before the clients train: "
-            "%d epochs, %d steps, loss %.4f, %.1f s", server_round, self.depth, len(self.aux),
-            self.calibration_epochs, stats.steps, stats.loss, stats.seconds)
+        self.calibration_stats[server_round] = {
+            "loss": stats.loss,
+            "steps": stats.steps,
+            "seconds": stats.seconds,
+            "wall_s": time.perf_counter() - t0,
+            "lr": lr,
+            "epochs": self.calibration_epochs,
+            "aux_images": len(self.aux),
+            "depth": self.depth,
+        }
+        log(
+            INFO,
+            "round %d: calibrated the %d-block sub-model on %d auxiliary images before the clients train: "
+            "%d epochs, %d steps, loss %.4f, %.1f s",
+            server_round,
+            self.depth,
+            len(self.aux),
+            self.calibration_epochs,
+            stats.steps,
+            stats.loss,
+            stats.seconds,
+        )
 
 
 class FedMoCoLW(LayerwiseFedSSL):

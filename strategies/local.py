@@ -54,8 +54,10 @@ class Local(FedSSL):
         return super().expected_reply_arrays(server_round, partition_id)
 
     def traffic(self, model_bytes: int) -> str:
-        return (f"down: the initial model ({model_bytes / 2**20:.2f} MiB) once per client; up: each client's model "
-                "every round, for the server's evaluation only (nothing is aggregated)")
+        return (
+            f"down: the initial model ({model_bytes / 2**20:.2f} MiB) once per client; up: each client's model "
+            "every round, for the server's evaluation only (nothing is aggregated)"
+        )
 
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> None:
         for reply, client in zip(replies, clients):

@@ -23,8 +23,9 @@ from fedssl_wire import INFO_MESSAGE_TYPE, code_identity
 FIRST_POLL_S, MAX_POLL_S = 0.05, 1.0  # reply polling: quick at first, then backing off
 
 
-def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float | None,
-                     arrivals: dict[str, float] | None = None) -> list[Message]:
+def send_and_receive(
+    grid: Grid, messages: Iterable[Message], timeout: float | None, arrivals: dict[str, float] | None = None
+) -> list[Message]:
     """``grid.send_and_receive`` with a shorter reply poll. Flower's deployed grid sleeps 3 s between pulls, so a
     round whose replies arrive in 0.5 s still waits up to 3 s; here the poll starts at 50 ms and doubles up to 1 s
     (a few requests per round on loopback). Grids without push/pull (test doubles) use their own method.
@@ -63,6 +64,7 @@ def client_timeline(metrics, received_at: float | None) -> dict[str, float]:
     split a deployed round into dispatch (until ``process_start``: the SuperLink, the SuperNode's poll, the
     executor starting a process), start-up, the handler's work and the way back. A ClientApp that did not start
     for this message (the simulation's) has a negative ``process_start``."""
+
     def number(key: str) -> float | None:  # a reply's metrics are the client's word: numbers only
         value = metrics.get(key) if key in metrics else None
         return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
@@ -90,11 +92,14 @@ UNAVAILABLE_RETRY_S = 2.0
 
 
 def _unavailable(reply: Message) -> bool:
-    return reply.has_error() and (reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in (reply.error.reason or ""))
+    return reply.has_error() and (
+        reply.error.code == NODE_UNAVAILABLE_CODE or "Node Unavailable" in (reply.error.reason or "")
+    )
 
 
-def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
-                     unavailable_wait_s: float | None = None) -> list[NodeInfo]:
+def query_partitions(
+    grid: Grid, nodes: Iterable[int], timeout: float, unavailable_wait_s: float | None = None
+) -> list[NodeInfo]:
     """Ask each node for its partition id; one entry per node that replied (errors included), in node order.
 
     A node the SuperLink lists but reports unavailable (a SuperNode recreated a moment ago, registered but not
@@ -123,30 +128,49 @@ def query_partitions(grid: Grid, nodes: Iterable[int], timeout: float,
 
 def _query_once(grid: Grid, nodes: list[int], timeout: float) -> list[tuple[NodeInfo, bool]]:
     identity: dict[str, Any] = code_identity()  # str and int values: what a ConfigRecord holds
-    queries = [Message(RecordDict({"config": ConfigRecord(identity)}), dst_node_id=node,
-                       message_type=INFO_MESSAGE_TYPE)
-               for node in nodes]
+    queries = [
+        Message(RecordDict({"config": ConfigRecord(identity)}), dst_node_id=node, message_type=INFO_MESSAGE_TYPE)
+        for node in nodes
+    ]
     replies = send_and_receive(grid, queries, timeout)
     sent_to = {getattr(m.metadata, "message_id", ""): m.metadata.dst_node_id for m in queries}  # ids: set on push
     out = []
     for reply in replies:
         if reply.has_error():
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            out.append((NodeInfo(node, error=reply.error.reason or f"error code {reply.error.code}"), _unavailable(reply)))
+            out.append(
+                (NodeInfo(node, error=reply.error.reason or f"error code {reply.error.code}"), _unavailable(reply))
+            )
             continue
         m: Mapping[str, Any] = reply.content["metrics"]  # a MetricRecord: numbers
         info = reply.content.config_records.get("info")
-        out.append((NodeInfo(reply.metadata.src_node_id, int(m["partition-id"]), int(m["num-partitions"]),
-                             str(info.get("host", "")) if info is not None else ""), False))
+        out.append(
+            (
+                NodeInfo(
+                    reply.metadata.src_node_id,
+                    int(m["partition-id"]),
+                    int(m["num-partitions"]),
+                    str(info.get("host", "")) if info is not None else "",
+                ),
+                False,
+            )
+        )
     return out
 
 
 NODE_QUERY_TIMEOUT_S = 60.0  # a connected node answers query.info in seconds
 
 
-def wait_for_partitions(grid: Grid, clients: dict[int, int], *, min_available: int, wait_s: float,
-                        foreign: set[int], server_round: int, query_timeout: float = NODE_QUERY_TIMEOUT_S
-                        ) -> list[int]:
+def wait_for_partitions(
+    grid: Grid,
+    clients: dict[int, int],
+    *,
+    min_available: int,
+    wait_s: float,
+    foreign: set[int],
+    server_round: int,
+    query_timeout: float = NODE_QUERY_TIMEOUT_S,
+) -> list[int]:
     """Partition ids whose nodes are connected, once at least ``min_available`` are, or when ``wait_s`` has passed
     (then with a warning, and an error if none is). ``clients`` (partition id -> node id) and ``foreign`` (nodes
     known to hold none of this experiment's clients) are updated in place by ``adopt_new_nodes``."""
@@ -155,29 +179,47 @@ def wait_for_partitions(grid: Grid, clients: dict[int, int], *, min_available: i
         connected = set(grid.get_node_ids())
         available = [pid for pid, node in clients.items() if node in connected]
         if len(available) < len(clients) and connected - set(clients.values()):
-            available = adopt_new_nodes(grid, clients, connected, foreign=foreign, server_round=server_round,
-                                        query_timeout=query_timeout)
+            available = adopt_new_nodes(
+                grid, clients, connected, foreign=foreign, server_round=server_round, query_timeout=query_timeout
+            )
         if len(available) >= min_available:
             return available
         if time.monotonic() > deadline:
             if not available:
                 raise RuntimeError(f"round {server_round}: no client node is connected")
-            log(WARNING, "round %d: only %d of the %d required clients are connected; going on with them",
-                server_round, len(available), min_available)
+            log(
+                WARNING,
+                "round %d: only %d of the %d required clients are connected; going on with them",
+                server_round,
+                len(available),
+                min_available,
+            )
             return available
         time.sleep(1.0)
 
 
-def adopt_new_nodes(grid: Grid, clients: dict[int, int], connected: set[int], *, foreign: set[int],
-                    server_round: int, query_timeout: float = NODE_QUERY_TIMEOUT_S) -> list[int]:
+def adopt_new_nodes(
+    grid: Grid,
+    clients: dict[int, int],
+    connected: set[int],
+    *,
+    foreign: set[int],
+    server_round: int,
+    query_timeout: float = NODE_QUERY_TIMEOUT_S,
+) -> list[int]:
     """A client whose node is gone may be back under a new node id (a SuperNode restarted without a registered
     key): ask the unknown connected nodes which partition they hold and take them into ``clients``. A node that
     holds none of them goes to ``foreign`` and is not asked again. Returns the partition ids now connected."""
     unknown = connected - set(clients.values()) - foreign
     for info in query_partitions(grid, unknown, timeout=query_timeout):
         if info.error or info.partition_id not in clients or info.num_partitions != len(clients):
-            log(WARNING, "round %d: ignoring node %d (%s)", server_round, info.node_id,
-                info.error or f"partition {info.partition_id} of {info.num_partitions}")
+            log(
+                WARNING,
+                "round %d: ignoring node %d (%s)",
+                server_round,
+                info.node_id,
+                info.error or f"partition {info.partition_id} of {info.num_partitions}",
+            )
             foreign.add(info.node_id)
             continue
         if clients[info.partition_id] not in connected:

@@ -82,8 +82,9 @@ def arrays_problem(content, expected: Mapping[str, ArraySpec] | None) -> str | N
         got = array_spec(content.array_records[name])
         missing, unexpected = sorted(set(spec) - set(got)), sorted(set(got) - set(spec))
         if missing or unexpected:
-            parts = ([f"missing arrays {missing[:3]}"] if missing else []) + \
-                ([f"unexpected arrays {unexpected[:3]}"] if unexpected else [])
+            parts = ([f"missing arrays {missing[:3]}"] if missing else []) + (
+                [f"unexpected arrays {unexpected[:3]}"] if unexpected else []
+            )
             return f"record {name!r}: " + ", ".join(parts)
         wrong = [k for k in spec if got[k] != spec[k]]
         if wrong:
@@ -96,8 +97,15 @@ def arrays_problem(content, expected: Mapping[str, ArraySpec] | None) -> str | N
     return None
 
 
-def screen_replies(replies: list, *, server_round: int, problem: Callable[[Message], str | None],
-                   already_valid: set[int], partition_of_node: Mapping[int, int], min_replies: int) -> list:
+def screen_replies(
+    replies: list,
+    *,
+    server_round: int,
+    problem: Callable[[Message], str | None],
+    already_valid: set[int],
+    partition_of_node: Mapping[int, int],
+    min_replies: int,
+) -> list:
     """The round's replies with every one for which ``problem`` names a reason replaced by a ``RejectedReply``
     (logged with node, client and reason). ``already_valid``: ids of replies found valid earlier in the round (a
     subclass that screens before its base), skipped and extended with the new valid ones. Raises
@@ -112,8 +120,14 @@ def screen_replies(replies: list, *, server_round: int, problem: Callable[[Messa
         if not r.has_error() and id(r) not in already_valid:
             reason = problem(r)
             if reason is not None:
-                log(WARNING, "round %d: reply of node %d (client %s) dropped: %s", server_round,
-                    r.metadata.src_node_id, partition_of_node.get(r.metadata.src_node_id), reason)
+                log(
+                    WARNING,
+                    "round %d: reply of node %d (client %s) dropped: %s",
+                    server_round,
+                    r.metadata.src_node_id,
+                    partition_of_node.get(r.metadata.src_node_id),
+                    reason,
+                )
                 r = RejectedReply(r, reason)
             else:
                 already_valid.add(id(r))
@@ -123,5 +137,6 @@ def screen_replies(replies: list, *, server_round: int, problem: Callable[[Messa
         reasons = "; ".join(readable_reason(r.error.reason) for r in screened if r.has_error()) or "no reply"
         raise NotEnoughValidReplies(
             f"round {server_round}: {valid} valid replies, fewer than federation.min_replies={min_replies} "
-            f"({reasons}); the global model is unchanged")
+            f"({reasons}); the global model is unchanged"
+        )
     return screened

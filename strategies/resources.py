@@ -18,7 +18,8 @@ RESOURCE_UNITS = (
     "bytes; flops_* of one local step per sample (image, both views; fvcore_equivalent = forward / 2); flops_run = "
     "per-sample FLOPs x images trained + flops_extra (a round's passes besides its SSL steps: Hetero-SSFL's "
     "alignment term and kernel forward; also summed alone as flops_extra_run), summed over rounds; mem_* analytic "
-    "bytes of one fp32 step at the training batch; rss_peak_bytes the client process's peak during local training")
+    "bytes of one fp32 step at the training batch; rss_peak_bytes the client process's peak during local training"
+)
 
 
 class ClientResourceBook:
@@ -26,8 +27,9 @@ class ClientResourceBook:
 
     def __init__(self, totals: dict[str, Any] | None = None) -> None:
         """``totals``: a book's ``totals`` from a checkpoint (copied), or None for an empty book."""
-        self.totals: dict[str, Any] = (copy.deepcopy(totals) if totals is not None
-                                       else {"per_client": {}, "run": {"flops_run": 0.0}})
+        self.totals: dict[str, Any] = (
+            copy.deepcopy(totals) if totals is not None else {"per_client": {}, "run": {"flops_run": 0.0}}
+        )
 
     def add_round(self, clients: Iterable[dict[str, Any]]) -> None:
         """Add one round's client records (the strategy's ``client_record``: ``id``, ``bytes_up`` and, from the
@@ -37,7 +39,8 @@ class ClientResourceBook:
         run = self.totals["run"]
         for c in clients:
             mine = self.totals["per_client"].setdefault(
-                str(c["id"]), {"rounds": 0, "bytes_up": 0, "images_trained": 0.0, "flops_run": 0.0})
+                str(c["id"]), {"rounds": 0, "bytes_up": 0, "images_trained": 0.0, "flops_run": 0.0}
+            )
             mine["rounds"] += 1
             mine["bytes_up"] += int(c.get("bytes_up", 0))
             if c.get("flops_total") is None:

@@ -36,8 +36,9 @@ def skip_unless_required(reason: str) -> None:
     meant to have the data copy, docker-compose, openssl and root), in which case the test fails, naming what
     is missing. Skips for what CI never has (a CUDA device) stay plain skips."""
     if os.environ.get(NO_SKIP_VARIABLE, "") not in ("", "0"):
-        pytest.fail(f"{reason} (not skipped: ${NO_SKIP_VARIABLE} is set, so this machine is expected to have it)",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason} (not skipped: ${NO_SKIP_VARIABLE} is set, so this machine is expected to have it)", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -56,7 +57,9 @@ def cifar10_npz() -> Path | None:
 def cifar_npz() -> Path:
     path = cifar10_npz()
     if path is None:
-        skip_unless_required("CIFAR-10 dev npz not found (set FEDSSL_CIFAR10_NPZ or place ../shared/data/cifar10-dev.npz)")
+        skip_unless_required(
+            "CIFAR-10 dev npz not found (set FEDSSL_CIFAR10_NPZ or place ../shared/data/cifar10-dev.npz)"
+        )
     return path
 
 

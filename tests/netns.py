@@ -73,8 +73,20 @@ class Network:
                 _ip("-n", self.ns(host), "link", "set", "lo", "up")
             for i, spoke in enumerate(self.spokes, start=1):
                 hub_if, spoke_if = f"fs{self.tag}h{i}"[:15], f"fs{self.tag}s{i}"[:15]
-                _ip("link", "add", hub_if, "netns", self.ns(self.hub), "type", "veth",
-                    "peer", "name", spoke_if, "netns", self.ns(spoke))
+                _ip(
+                    "link",
+                    "add",
+                    hub_if,
+                    "netns",
+                    self.ns(self.hub),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    spoke_if,
+                    "netns",
+                    self.ns(spoke),
+                )
                 _ip("-n", self.ns(self.hub), "addr", "add", f"{self.hub_ip(spoke)}/24", "dev", hub_if)
                 _ip("-n", self.ns(spoke), "addr", "add", f"{self.spoke_ip(spoke)}/24", "dev", spoke_if)
                 _ip("-n", self.ns(self.hub), "link", "set", hub_if, "up")

@@ -129,8 +129,9 @@ def test_crop_boxes_follow_random_resized_crop():
     assert torch.equal(boxes, boxes.round())  # integer boxes, as torchvision
     # Compare the mean area fraction with torchvision's own sampler.
     torch.manual_seed(0)
-    reference = [v2.RandomResizedCrop.get_params(torch.zeros(3, 32, 32), [0.08, 1.0], [3 / 4, 4 / 3])
-                 for _ in range(4000)]
+    reference = [
+        v2.RandomResizedCrop.get_params(torch.zeros(3, 32, 32), [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(4000)
+    ]
     ref_area = np.mean([h * w for _, _, h, w in reference]) / 1024
     our_area = (box_h * box_w).mean().item() / 1024
     assert abs(our_area - ref_area) < 0.02
@@ -172,8 +173,9 @@ def test_colour_steps_by_hand():
     assert torch.allclose(adjust_brightness(flat, torch.tensor([1.5])), torch.ones_like(flat))  # clamped
     two_tone = torch.tensor([0.2, 0.6]).view(1, 1, 1, 2).expand(1, 3, 2, 2)
     # Contrast 0 -> the mean grey level 0.4 everywhere (luma weights sum to 0.9999, hence atol).
-    torch.testing.assert_close(adjust_contrast(two_tone, torch.tensor([0.0])), torch.full_like(two_tone, 0.4),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        adjust_contrast(two_tone, torch.tensor([0.0])), torch.full_like(two_tone, 0.4), atol=1e-4, rtol=0
+    )
     red = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
     assert torch.allclose(rgb_to_hsv(red).flatten(), torch.tensor([0.0, 1.0, 1.0]))
     green = adjust_hue(red, torch.tensor([1.0 / 3.0]))
@@ -253,13 +255,15 @@ def test_cpu_generator_drives_cuda_batches_like_cpu_ones():
 
 
 def _torchvision_recipe() -> v2.Compose:
-    return v2.Compose([
-        v2.RandomResizedCrop(32, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
-        v2.RandomHorizontalFlip(0.5),
-        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
-        v2.RandomGrayscale(0.2),
-        v2.ToDtype(torch.float32, scale=True),
-    ])
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(32, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
+            v2.RandomHorizontalFlip(0.5),
+            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+            v2.RandomGrayscale(0.2),
+            v2.ToDtype(torch.float32, scale=True),
+        ]
+    )
 
 
 def _best_of(repeats: int, fn) -> float:
@@ -290,7 +294,9 @@ def test_statistics_match_torchvision_and_report_throughput(capsys):
     torch_time = _best_of(2, lambda: torch.stack([recipe(img) for img in per_image]))
     ours_time = _best_of(2, lambda: aug(images))
     with capsys.disabled():
-        print(f"\n[augment throughput, 512 images 32x32, {torch.get_num_threads()} threads] "
-              f"torchvision v2 per image: {512 / torch_time:,.0f} img/s ({torch_time * 1e3:.0f} ms); "
-              f"SSLAugment batched: {512 / ours_time:,.0f} img/s ({ours_time * 1e3:.0f} ms); "
-              f"speed-up x{torch_time / ours_time:.1f}")
+        print(
+            f"\n[augment throughput, 512 images 32x32, {torch.get_num_threads()} threads] "
+            f"torchvision v2 per image: {512 / torch_time:,.0f} img/s ({torch_time * 1e3:.0f} ms); "
+            f"SSLAugment batched: {512 / ours_time:,.0f} img/s ({ours_time * 1e3:.0f} ms); "
+            f"speed-up x{torch_time / ours_time:.1f}"
+        )

@@ -30,9 +30,20 @@ TINY = {
     "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
 }
 MEAN, STD = [0.5, 0.25, 0.0], [0.5, 0.25, 1.0]
-FLESD_RECIPE = {"crop_scale": [0.2, 1.0], "brightness": 0.8, "contrast": 0.8, "saturation": 0.8, "hue": 0.2,
-                "jitter_p": 0.8, "grayscale_p": 0.2, "blur_p": 0.5, "blur_sigma": [0.1, 2.0], "normalize": True,
-                "mean": MEAN, "std": STD}
+FLESD_RECIPE = {
+    "crop_scale": [0.2, 1.0],
+    "brightness": 0.8,
+    "contrast": 0.8,
+    "saturation": 0.8,
+    "hue": 0.2,
+    "jitter_p": 0.8,
+    "grayscale_p": 0.2,
+    "blur_p": 0.5,
+    "blur_sigma": [0.1, 2.0],
+    "normalize": True,
+    "mean": MEAN,
+    "std": STD,
+}
 
 
 def cfg_with(augment: dict, **extra) -> ExperimentConfig:
@@ -63,29 +74,38 @@ def test_recipe_loads_from_yaml_reaches_the_augmentation_and_is_recorded(tmp_pat
 def test_default_recipe_is_the_documented_one():
     aug = build_augment(ExperimentConfig.from_dict({}), 32)
     assert (aug.crop_scale, aug.jitter, aug.jitter_p, aug.grayscale_p, aug.flip_p, aug.blur_p) == (
-        (0.08, 1.0), (0.4, 0.4, 0.4, 0.1), 0.8, 0.2, 0.5, 0.0)
+        (0.08, 1.0),
+        (0.4, 0.4, 0.4, 0.1),
+        0.8,
+        0.2,
+        0.5,
+        0.0,
+    )
     assert ExperimentConfig.from_dict({}).augment.input_normalization() is None
 
 
-@pytest.mark.parametrize("augment, message", [
-    ({"jitter_p": 1.5}, r"^augment\.jitter_p: must be in \[0, 1\] \(got 1\.5\)"),
-    ({"blur_p": -0.1}, r"^augment\.blur_p: must be in \[0, 1\]"),
-    ({"flip_p": 2}, r"^augment\.flip_p: must be in \[0, 1\]"),
-    ({"grayscale_p": 1.01}, r"^augment\.grayscale_p: must be in \[0, 1\]"),
-    ({"hue": 0.6}, r"^augment\.hue: must be in \[0, 0\.5\]"),
-    ({"brightness": -0.2}, r"^augment\.brightness: must be >= 0"),
-    ({"crop_scale": [0.5, 0.2]}, r"^augment\.crop_scale: must be \[low, high\] with 0 < low <= high <= 1"),
-    ({"crop_scale": [0.2, 1.5]}, r"^augment\.crop_scale: must be \[low, high\]"),
-    ({"crop_scale": [0.2]}, r"^augment\.crop_scale: must be \[low, high\]"),
-    ({"crop_ratio": [0, 1]}, r"^augment\.crop_ratio: must be \[low, high\] with 0 < low <= high"),
-    ({"blur_sigma": ["a", 2.0]}, r"^augment\.blur_sigma: must be \[low, high\]"),
-    ({"blur_kernel_size": 4}, r"^augment\.blur_kernel_size: must be 0 \(automatic\) or an odd number >= 3"),
-    ({"std": [0.5, 0.0, 0.5]}, r"^augment\.std: must be 3 numbers \(one per RGB channel\), each > 0"),
-    ({"mean": [0.5, 0.5]}, r"^augment\.mean: must be 3 numbers"),
-    ({"normalize": "yes"}, r"^augment\.normalize: expected bool"),
-    ({"jitterp": 0.5}, r"^augment\.jitterp: unknown key"),
-    ({"crop_scale": 0.5}, r"^augment\.crop_scale: expected a list"),
-])
+@pytest.mark.parametrize(
+    "augment, message",
+    [
+        ({"jitter_p": 1.5}, r"^augment\.jitter_p: must be in \[0, 1\] \(got 1\.5\)"),
+        ({"blur_p": -0.1}, r"^augment\.blur_p: must be in \[0, 1\]"),
+        ({"flip_p": 2}, r"^augment\.flip_p: must be in \[0, 1\]"),
+        ({"grayscale_p": 1.01}, r"^augment\.grayscale_p: must be in \[0, 1\]"),
+        ({"hue": 0.6}, r"^augment\.hue: must be in \[0, 0\.5\]"),
+        ({"brightness": -0.2}, r"^augment\.brightness: must be >= 0"),
+        ({"crop_scale": [0.5, 0.2]}, r"^augment\.crop_scale: must be \[low, high\] with 0 < low <= high <= 1"),
+        ({"crop_scale": [0.2, 1.5]}, r"^augment\.crop_scale: must be \[low, high\]"),
+        ({"crop_scale": [0.2]}, r"^augment\.crop_scale: must be \[low, high\]"),
+        ({"crop_ratio": [0, 1]}, r"^augment\.crop_ratio: must be \[low, high\] with 0 < low <= high"),
+        ({"blur_sigma": ["a", 2.0]}, r"^augment\.blur_sigma: must be \[low, high\]"),
+        ({"blur_kernel_size": 4}, r"^augment\.blur_kernel_size: must be 0 \(automatic\) or an odd number >= 3"),
+        ({"std": [0.5, 0.0, 0.5]}, r"^augment\.std: must be 3 numbers \(one per RGB channel\), each > 0"),
+        ({"mean": [0.5, 0.5]}, r"^augment\.mean: must be 3 numbers"),
+        ({"normalize": "yes"}, r"^augment\.normalize: expected bool"),
+        ({"jitterp": 0.5}, r"^augment\.jitterp: unknown key"),
+        ({"crop_scale": 0.5}, r"^augment\.crop_scale: expected a list"),
+    ],
+)
 def test_bad_values_give_one_error_naming_the_key(augment, message):
     with pytest.raises(ConfigError, match=message):
         cfg_with(augment)
@@ -139,7 +159,8 @@ def test_augment_blur_p_switches_the_blur_and_keeps_the_no_blur_stream():
     off = SSLAugment(image_size=16, blur_p=0.0, **identity)(images, torch.Generator().manual_seed(0))
     assert torch.equal(plain, off)
     blurred = SSLAugment(image_size=16, blur_p=1.0, blur_sigma=(1.0, 1.0), **identity)(
-        images, torch.Generator().manual_seed(0))
+        images, torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(blurred, gaussian_blur(plain, torch.ones(8), 3), atol=1e-6, rtol=0)
 
     def roughness(x):  # mean absolute difference between horizontal neighbours: blur smooths it
@@ -218,8 +239,9 @@ def test_checkpoint_records_the_normalisation_and_fedssl_eval_rebuilds_it(tmp_pa
         assert main([str(path), str(data), "--no-linear", "--device", "cpu"]) == 0
     record = json.loads(out.getvalue().strip().splitlines()[-1])
     assert record["input_normalization"] == {"mean": MEAN, "std": STD}
-    direct = evaluate_backbone(backbone, x_train, y_train, x_test, y_test, 3, torch.device("cpu"), knn=True,
-                               linear=False)
+    direct = evaluate_backbone(
+        backbone, x_train, y_train, x_test, y_test, 3, torch.device("cpu"), knn=True, linear=False
+    )
     assert record["knn_acc"] == direct["knn_acc"]
 
 
@@ -231,10 +253,15 @@ def test_server_evaluator_and_flesd_server_use_the_configs_recipe_and_normalisat
     from strategies.fedssl import ModelToEvaluate
     from strategies.flesd import FLESD
 
-    cfg = ExperimentConfig.from_dict({**TINY, "data": {**TINY["data"], "public_size": 16},
-                                      "method": {"name": "simclr", "options": {"proj_hidden_dim": 16,
-                                                                               "proj_out_dim": 8}},
-                                      "strategy": {"name": "flesd"}, "augment": FLESD_RECIPE})
+    cfg = ExperimentConfig.from_dict(
+        {
+            **TINY,
+            "data": {**TINY["data"], "public_size": 16},
+            "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
+            "strategy": {"name": "flesd"},
+            "augment": FLESD_RECIPE,
+        }
+    )
     model = build_ssl_model(cfg, seed=0)
     arrays = to_array_record(state_to_numpy(split_state(model, model.shared_prefixes())[0]))
     evaluator = ServerEvaluator(cfg)
@@ -265,8 +292,15 @@ def test_local_training_gets_the_configs_recipe(monkeypatch):
     cfg = cfg_with(FLESD_RECIPE)
     model = build_ssl_model(cfg, seed=0)
     glob = {k: v for k, v in model.state_dict().items() if k.startswith(model.shared_prefixes())}
-    tasks.train_local_ssl(cfg, client_images(cfg, 0), {k: v.numpy() for k, v in glob.items()}, None,
-                          server_round=1, partition_id=0, lr=0.05)
+    tasks.train_local_ssl(
+        cfg,
+        client_images(cfg, 0),
+        {k: v.numpy() for k, v in glob.items()},
+        None,
+        server_round=1,
+        partition_id=0,
+        lr=0.05,
+    )
     aug = seen["augment"]
     assert aug.crop_scale == (0.2, 1.0) and aug.jitter == (0.8, 0.8, 0.8, 0.2) and aug.blur_p == 0.5
     assert isinstance(seen["method"].backbone.input_norm, InputNormalization)

@@ -41,13 +41,22 @@ def task_identity():
 
 
 def tiny_cfg(**overrides) -> ExperimentConfig:
-    raw = {"name": "t", "seed": 3, "rounds": 2,
-           "data": {"dataset": "synthetic", "synthetic_train": 120, "synthetic_test": 60, "synthetic_classes": 4,
-                    "partition": "iid"},
-           "model": {"arch": "resnet18", "width": 0.125},
-           "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
-           "federation": {"num_clients": 3},
-           "eval": {"max_train": 80, "max_test": 40, "probe_epochs": 3, "knn_k": 10}}
+    raw = {
+        "name": "t",
+        "seed": 3,
+        "rounds": 2,
+        "data": {
+            "dataset": "synthetic",
+            "synthetic_train": 120,
+            "synthetic_test": 60,
+            "synthetic_classes": 4,
+            "partition": "iid",
+        },
+        "model": {"arch": "resnet18", "width": 0.125},
+        "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
+        "federation": {"num_clients": 3},
+        "eval": {"max_train": 80, "max_test": 40, "probe_epochs": 3, "knn_k": 10},
+    }
     for key, value in overrides.items():
         section, name = key.split(".")
         raw.setdefault(section, {})[name] = value
@@ -68,8 +77,17 @@ def test_random_init_reference_is_the_runs_own_initial_encoder_scored_with_the_r
     te = subsample(data.y_test, 40, seed=cfg.seed + 4)
     torch.manual_seed(cfg.seed)
     backbone, _ = build_backbone("resnet18", 0.125)
-    want = evaluate_backbone(backbone, data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te],
-                             data.num_classes, knn_k=10, probe_epochs=3, seed=cfg.seed)
+    want = evaluate_backbone(
+        backbone,
+        data.x_train[tr],
+        data.y_train[tr],
+        data.x_test[te],
+        data.y_test[te],
+        data.num_classes,
+        knn_k=10,
+        probe_epochs=3,
+        seed=cfg.seed,
+    )
     assert got == {"knn_acc": want["knn_acc"], "linear_probe_acc": want["linear_probe_acc"]}
     # The seed decides the network: another run seed gives another reference network (and its own scores).
     other = ServerEvaluator(tiny_cfg(**{"eval.max_train": 80})).random_init("resnet18", linear=False)
@@ -77,26 +95,38 @@ def test_random_init_reference_is_the_runs_own_initial_encoder_scored_with_the_r
 
 
 def test_random_init_entries_gains_by_hand():
-    reference = {"resnet18": {"knn_acc": 0.30, "linear_probe_acc": 0.33},
-                 "resnet34": {"knn_acc": 0.28, "linear_probe_acc": 0.31}}
+    reference = {
+        "resnet18": {"knn_acc": 0.30, "linear_probe_acc": 0.33},
+        "resnet34": {"knn_acc": 0.28, "linear_probe_acc": 0.31},
+    }
     # One global model.
     single = random_init_entries({"knn_acc": 0.36, "linear_probe_acc": 0.41}, {}, {"global": "resnet18"}, reference)
     assert single["linear_probe_gain_over_random"] == pytest.approx(0.08)
     assert single["knn_gain_over_random"] == pytest.approx(0.06)
     assert single["random_init"] is reference
     # Per-client models of two architectures: each against its own architecture; headline = the smallest gain.
-    by_model = {"client_0": {"knn_acc": 0.35, "linear_probe_acc": 0.40},
-                "client_1": {"knn_acc": 0.29, "linear_probe_acc": 0.36}}
-    entries = random_init_entries({"knn_acc": 0.29, "linear_probe_acc": 0.36}, by_model,
-                                  {"client_0": "resnet18", "client_1": "resnet34"}, reference)
+    by_model = {
+        "client_0": {"knn_acc": 0.35, "linear_probe_acc": 0.40},
+        "client_1": {"knn_acc": 0.29, "linear_probe_acc": 0.36},
+    }
+    entries = random_init_entries(
+        {"knn_acc": 0.29, "linear_probe_acc": 0.36},
+        by_model,
+        {"client_0": "resnet18", "client_1": "resnet34"},
+        reference,
+    )
     assert by_model["client_0"]["linear_probe_gain_over_random"] == pytest.approx(0.07)
     assert by_model["client_1"]["linear_probe_gain_over_random"] == pytest.approx(0.05)
     assert by_model["client_1"]["knn_gain_over_random"] == pytest.approx(0.01)
     assert entries["linear_probe_gain_over_random"] == pytest.approx(0.05)
     assert entries["knn_gain_over_random"] == pytest.approx(0.01)
     # No linear probe: no gain for it.
-    none = random_init_entries({"knn_acc": 0.3, "linear_probe_acc": None}, {}, {"global": "resnet18"},
-                               {"resnet18": {"knn_acc": 0.3, "linear_probe_acc": None}})
+    none = random_init_entries(
+        {"knn_acc": 0.3, "linear_probe_acc": None},
+        {},
+        {"global": "resnet18"},
+        {"resnet18": {"knn_acc": 0.3, "linear_probe_acc": None}},
+    )
     assert none["linear_probe_gain_over_random"] is None and none["knn_gain_over_random"] == pytest.approx(0.0)
 
 
@@ -121,8 +151,9 @@ def test_fedssl_eval_uses_the_protocol_recorded_in_the_checkpoint(tmp_path, caps
     torch.manual_seed(11)
     backbone, _ = build_backbone("resnet18", 0.125)
     run_scores = evaluator._score(backbone, knn=True, linear=True)
-    save_encoder_checkpoint(tmp_path / "model.pt", backbone, "resnet18", 0.125,
-                            extra={"eval_protocol": evaluator.protocol()})
+    save_encoder_checkpoint(
+        tmp_path / "model.pt", backbone, "resnet18", 0.125, extra={"eval_protocol": evaluator.protocol()}
+    )
     assert cli.main([str(tmp_path / "model.pt"), str(tmp_path / "d.npz"), "--device", "cpu"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["protocol"]["source"] == "checkpoint"
@@ -144,18 +175,73 @@ def test_fedssl_eval_random_init_gives_the_runs_reference(tmp_path, capsys):
     data = load_experiment_data(cfg)
     tr = subsample(data.y_train, 80, seed=cfg.seed + 3)
     te = subsample(data.y_test, 40, seed=cfg.seed + 4)
-    np.savez(tmp_path / "cut.npz", x_train=data.x_train[tr], y_train=data.y_train[tr], x_test=data.x_test[te],
-             y_test=data.y_test[te])
-    assert cli.main(["--random-init", "resnet18", "--width", "0.125", "--seed", str(cfg.seed), "--knn-k", "10",
-                     "--probe-epochs", "3", str(tmp_path / "cut.npz")]) == 0
+    np.savez(
+        tmp_path / "cut.npz",
+        x_train=data.x_train[tr],
+        y_train=data.y_train[tr],
+        x_test=data.x_test[te],
+        y_test=data.y_test[te],
+    )
+    assert (
+        cli.main(
+            [
+                "--random-init",
+                "resnet18",
+                "--width",
+                "0.125",
+                "--seed",
+                str(cfg.seed),
+                "--knn-k",
+                "10",
+                "--probe-epochs",
+                "3",
+                str(tmp_path / "cut.npz"),
+            ]
+        )
+        == 0
+    )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["random_init"] is True and line["arch"] == "resnet18"
     assert line["knn_acc"] == want["knn_acc"] and line["linear_probe_acc"] == want["linear_probe_acc"]
     # Another init seed is another network: its features differ.
-    assert cli.main(["--random-init", "resnet18", "--width", "0.125", "--init-seed", str(cfg.seed + 1), "--no-linear",
-                     "--knn-k", "10", "--export-features", str(tmp_path / "f2.npz"), str(tmp_path / "cut.npz")]) == 0
-    assert cli.main(["--random-init", "resnet18", "--width", "0.125", "--init-seed", str(cfg.seed), "--no-linear",
-                     "--knn-k", "10", "--export-features", str(tmp_path / "f1.npz"), str(tmp_path / "cut.npz")]) == 0
+    assert (
+        cli.main(
+            [
+                "--random-init",
+                "resnet18",
+                "--width",
+                "0.125",
+                "--init-seed",
+                str(cfg.seed + 1),
+                "--no-linear",
+                "--knn-k",
+                "10",
+                "--export-features",
+                str(tmp_path / "f2.npz"),
+                str(tmp_path / "cut.npz"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "--random-init",
+                "resnet18",
+                "--width",
+                "0.125",
+                "--init-seed",
+                str(cfg.seed),
+                "--no-linear",
+                "--knn-k",
+                "10",
+                "--export-features",
+                str(tmp_path / "f1.npz"),
+                str(tmp_path / "cut.npz"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert not np.allclose(np.load(tmp_path / "f1.npz")["test_features"], np.load(tmp_path / "f2.npz")["test_features"])
 
@@ -203,8 +289,9 @@ class FakeGrid:
 
 def test_central_trains_one_client_on_the_union(task_identity):
     cfg = tiny_cfg(**{"strategy.name": "central"})
-    central = get_strategy_class("central")(clients={0: 100, 1: 101, 2: 102}, clients_per_round=3, seed=0,
-                                            node_wait_s=0.0)
+    central = get_strategy_class("central")(
+        clients={0: 100, 1: 101, 2: 102}, clients_per_round=3, seed=0, node_wait_s=0.0
+    )
     data = load_experiment_data(cfg)
     central.prepare(cfg, data, federated_split(cfg, data.y_train))
     arrays = to_array_record({"backbone.w": np.ones(3, np.float32)})
@@ -224,9 +311,14 @@ def test_central_refuses_mixed_architectures(tmp_path):
     from server_app.experiment import load_experiment
     from ssl_models.config import ConfigError
 
-    raw = {"name": "m", "rounds": 1, "data": {"dataset": "synthetic"}, "strategy": {"name": "central"},
-           "federation": {"num_clients": 2},
-           "model": {"arch": "resnet18", "width": 0.125, "client_archs": ["resnet18", "resnet34"]}}
+    raw = {
+        "name": "m",
+        "rounds": 1,
+        "data": {"dataset": "synthetic"},
+        "strategy": {"name": "central"},
+        "federation": {"num_clients": 2},
+        "model": {"arch": "resnet18", "width": 0.125, "client_archs": ["resnet18", "resnet34"]},
+    }
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="model.client_archs: strategy 'central' averages weights"):
         load_experiment({"config": str(tmp_path / "m.yaml")})

@@ -82,8 +82,12 @@ def make_target(root: Path) -> tuple[Path, Path]:
                 continue
             if (base / top).exists():
                 (shared / top).symlink_to(base / top)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(site) / "target-has.pth").write_text(str(shared) + "\n")
     have = root / "have.txt"
     have.write_text("".join(f"{name}=={dist.version}\n" for name, dist in sorted(closure.items())))
@@ -103,30 +107,79 @@ def tiny_npz(src: Path, dest: Path, per_class_train: int = 60, per_class_test: i
     return dest
 
 
-def campaign(python: Path, app: Path, bundle: Path, out: Path, budget: float, *extra: str,
-             timeout: float = 600) -> subprocess.CompletedProcess:
+def campaign(
+    python: Path, app: Path, bundle: Path, out: Path, budget: float, *extra: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
-    return subprocess.run([str(python), "-m", "fedssl_gpu.campaign", "run", PLAN, "--bundle", str(bundle),
-                           "--out", str(out), "--budget-s", str(budget), "--device", "cpu", *extra],
-                          cwd=app, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [
+            str(python),
+            "-m",
+            "fedssl_gpu.campaign",
+            "run",
+            PLAN,
+            "--bundle",
+            str(bundle),
+            "--out",
+            str(out),
+            "--budget-s",
+            str(budget),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        cwd=app,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz):
     if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False).returncode != 0:
         skip_unless_required("pip is needed to build the bundle")
     python, have = make_target(tmp_path)
-    probe = subprocess.run([str(python), "-c", ("import torch, numpy, yaml, grpc, pytest\n"
-                            "import importlib.util as u; print(u.find_spec('flwr'), u.find_spec('ray'))")],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            (
+                "import torch, numpy, yaml, grpc, pytest\n"
+                "import importlib.util as u; print(u.find_spec('flwr'), u.find_spec('ray'))"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["None", "None"], "the simulated target must have neither flwr nor Ray"
 
     data = tiny_npz(cifar_npz, tmp_path / "cifar10-tiny.npz")
     bundle = tmp_path / "bundle"
-    built = subprocess.run([sys.executable, "-m", "fedssl_gpu.bundle", "--have", str(have), "--data", str(data),
-                            "--out", str(bundle), "--limit-mib", "60"], cwd=REPO, capture_output=True, text=True,
-                           timeout=600, check=False)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedssl_gpu.bundle",
+            "--have",
+            str(have),
+            "--data",
+            str(data),
+            "--out",
+            str(bundle),
+            "--limit-mib",
+            "60",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     assert re.search(r"part-1\s+\d+\.\d+\s+\d+\.\d+\s+60", built.stdout), built.stdout  # the size table
     manifest = json.loads((bundle / "part-1" / "bundle.json").read_text())
@@ -147,10 +200,16 @@ def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz)
     assert "installing" in said and "(pip --no-index)" in said, said
     for stage in ("correctness", "throughput", "paper-shape"):
         assert re.search(rf"{stage}: skipped: needs ~\d+ s, -?\d+ s left", said), said
-    has_flwr = subprocess.run([str(python), "-c", ("import flwr, importlib.util as u; print(flwr.__version__, "
-                               "u.find_spec('ray'))")], capture_output=True, text=True, check=False)
-    assert has_flwr.stdout.split() == [manifest["wheels"][[w["name"] for w in manifest["wheels"]].index("flwr")]
-                                       ["version"], "None"], has_flwr.stdout + has_flwr.stderr
+    has_flwr = subprocess.run(
+        [str(python), "-c", ("import flwr, importlib.util as u; print(flwr.__version__, u.find_spec('ray'))")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert has_flwr.stdout.split() == [
+        manifest["wheels"][[w["name"] for w in manifest["wheels"]].index("flwr")]["version"],
+        "None",
+    ], has_flwr.stdout + has_flwr.stderr
     state = json.loads((out / "campaign.json").read_text())
     assert state["device"]["requested"] == "cpu" and state["data"]["outputs"]["x_train"]["shape"] == [600, 32, 32, 3]
     assert state["data"]["unpack"]["pixels_verified"] is True
@@ -174,13 +233,34 @@ def test_campaign_from_a_bundle_in_a_fresh_venv_without_ray(tmp_path, cifar_npz)
     run_dir = out / "paper-shape" / "smoke" / "runs" / "fedbyol-seed0"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([str(python), "-m", "fedssl_gpu.campaign", "run", PLAN, "--bundle", str(bundle), "--out",
-                             str(out), "--budget-s", "500", "--device", "cpu"], cwd=app, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            str(python),
+            "-m",
+            "fedssl_gpu.campaign",
+            "run",
+            PLAN,
+            "--bundle",
+            str(bundle),
+            "--out",
+            str(out),
+            "--budget-s",
+            "500",
+            "--device",
+            "cpu",
+        ],
+        cwd=app,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not list(run_dir.glob("checkpoints/round-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert proc.poll() is None, "the campaign ended before the paper-shape run's first checkpoint:\n" + proc.stdout.read()
+    assert proc.poll() is None, (
+        "the campaign ended before the paper-shape run's first checkpoint:\n" + proc.stdout.read()
+    )
     proc.send_signal(signal.SIGTERM)
     said, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, said

@@ -13,13 +13,26 @@ from conftest import REPO
 from fedssl_gpu import bundle, campaign
 from fedssl_gpu.timeplan import Assumptions, run_estimate
 
-ASSUMED = {"train_tflops": 1.0, "fp32_tflops": 0.5, "run_start_s": 10, "round_overhead_s": 3, "pytest_s": 5,
-           "throughput_overhead_s": 1, "compile_s": 20, "train_images": 1000, "test_images": 100}
+ASSUMED = {
+    "train_tflops": 1.0,
+    "fp32_tflops": 0.5,
+    "run_start_s": 10,
+    "round_overhead_s": 3,
+    "pytest_s": 5,
+    "throughput_overhead_s": 1,
+    "compile_s": 20,
+    "train_images": 1000,
+    "test_images": 100,
+}
 
 
 def write_plan(tmp_path: Path, **changes) -> Path:
-    raw = {"campaign": "t", "device": "cpu", "assumed": dict(ASSUMED),
-           "stages": {"correctness": {"smoke": ["configs/smoke.yaml"], "set": {"rounds": 1}}}}
+    raw = {
+        "campaign": "t",
+        "device": "cpu",
+        "assumed": dict(ASSUMED),
+        "stages": {"correctness": {"smoke": ["configs/smoke.yaml"], "set": {"rounds": 1}}},
+    }
     raw.update(changes)
     import yaml
 
@@ -42,18 +55,23 @@ def test_the_shipped_plans_load_and_the_time_plan_lists_every_item():
         assert f"| `{key}` | {value:g} |" in written
 
 
-@pytest.mark.parametrize(("changes", "named"), [
-    ({"device": "tpu"}, "device 'tpu'"),
-    ({"stages": {"warmup": {}}}, "unknown stage(s) warmup"),
-    ({"stages": {"correctness": {"smoke": ["configs/nope.yaml"]}}}, "configs/nope.yaml: no such file"),
-    ({"stages": {"correctness": {"smok": []}}}, "stages.correctness: unknown key(s) smok"),
-    ({"stages": {"throughput": {"compile": "yes"}}}, "stages.throughput.compile"),
-    ({"stages": {"correctness": {"smoke": ["configs/smoke.yaml"], "set": {"train.optimiser": "sgd"}}}},
-     "smoke config smoke.yaml"),
-    ({"assumed": {**ASSUMED, "train_tflops": 0}}, "assumed.train_tflops: expected a positive number"),
-    ({"assumed": {k: v for k, v in ASSUMED.items() if k != "pytest_s"}}, "missing key(s) pytest_s"),
-    ({"colour": 1}, "unknown key(s) colour"),
-])
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"device": "tpu"}, "device 'tpu'"),
+        ({"stages": {"warmup": {}}}, "unknown stage(s) warmup"),
+        ({"stages": {"correctness": {"smoke": ["configs/nope.yaml"]}}}, "configs/nope.yaml: no such file"),
+        ({"stages": {"correctness": {"smok": []}}}, "stages.correctness: unknown key(s) smok"),
+        ({"stages": {"throughput": {"compile": "yes"}}}, "stages.throughput.compile"),
+        (
+            {"stages": {"correctness": {"smoke": ["configs/smoke.yaml"], "set": {"train.optimiser": "sgd"}}}},
+            "smoke config smoke.yaml",
+        ),
+        ({"assumed": {**ASSUMED, "train_tflops": 0}}, "assumed.train_tflops: expected a positive number"),
+        ({"assumed": {k: v for k, v in ASSUMED.items() if k != "pytest_s"}}, "missing key(s) pytest_s"),
+        ({"colour": 1}, "unknown key(s) colour"),
+    ],
+)
 def test_a_bad_plan_is_refused_naming_the_key(tmp_path, changes, named):
     with pytest.raises(campaign.CampaignError) as err:
         campaign.Plan.load(write_plan(tmp_path, **changes))
@@ -64,8 +82,10 @@ def test_a_run_estimate_counts_the_images_of_the_config_and_the_fixed_costs():
     from fedssl_study.spec import validate_experiment
     from ssl_models.config import load_config_tree, merge_config
 
-    tree = merge_config(load_config_tree(REPO / "configs" / "smoke.yaml"),
-                        {"rounds": 3, "eval.knn_every": 1, "eval.max_train": 300, "eval.max_test": 50})
+    tree = merge_config(
+        load_config_tree(REPO / "configs" / "smoke.yaml"),
+        {"rounds": 3, "eval.knn_every": 1, "eval.max_train": 300, "eval.max_test": 50},
+    )
     cfg = validate_experiment(tree)
     a = Assumptions.from_mapping(ASSUMED)
     est = run_estimate(cfg, a)
@@ -73,8 +93,9 @@ def test_a_run_estimate_counts_the_images_of_the_config_and_the_fixed_costs():
     assert est["images_trained"] == 3 * 1 * 2 * 200
     assert est["evaluated_images"] == (3 + 2) * (300 + 50)  # 3 kNN monitors, the final scores, the random init
     assert 0 < est["forward_flops_per_image"] < est["train_flops_per_image"]
-    assert est["flops"] == pytest.approx(est["images_trained"] * est["train_flops_per_image"]
-                                         + est["evaluated_images"] * est["forward_flops_per_image"])
+    assert est["flops"] == pytest.approx(
+        est["images_trained"] * est["train_flops_per_image"] + est["evaluated_images"] * est["forward_flops_per_image"]
+    )
     assert est["seconds"] == pytest.approx(est["flops"] / 1e12 + 10 + 3 * 3)
     central = validate_experiment(merge_config(tree, {"strategy": {"_replace": True, "name": "central"}}))
     assert run_estimate(central, a)["images_trained"] == 3 * 400  # the union of the clients' images
@@ -83,18 +104,38 @@ def test_a_run_estimate_counts_the_images_of_the_config_and_the_fixed_costs():
 def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
     path = folder / f"{name}-{version}-py3-none-any.whl"
     meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires)
+        f"Requires-Dist: {r}\n" for r in requires
+    )
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
     return path
 
 
 def test_the_bundle_carries_what_the_target_lacks_and_nothing_more(tmp_path):
-    wheels = [bundle.read_wheel(fake_wheel(tmp_path, *w)) for w in [
-        ("flwr", "1.41.0", ["numpy>=1.26", "grpcio>=1.70", "typer>=0.12", "uv>=0.12",
-                            "tomli>=2; python_version < '3.11'", "ray==2.55.1; extra == 'simulation'"]),
-        ("typer", "0.20.1", ["click>=8"]), ("click", "8.5.1", []), ("numpy", "2.5.5", []),
-        ("grpcio", "1.85.3", []), ("uv", "0.12.24", []), ("tomli", "2.5.0", []), ("ray", "2.55.1", [])]]
+    wheels = [
+        bundle.read_wheel(fake_wheel(tmp_path, *w))
+        for w in [
+            (
+                "flwr",
+                "1.41.0",
+                [
+                    "numpy>=1.26",
+                    "grpcio>=1.70",
+                    "typer>=0.12",
+                    "uv>=0.12",
+                    "tomli>=2; python_version < '3.11'",
+                    "ray==2.55.1; extra == 'simulation'",
+                ],
+            ),
+            ("typer", "0.20.1", ["click>=8"]),
+            ("click", "8.5.1", []),
+            ("numpy", "2.5.5", []),
+            ("grpcio", "1.85.3", []),
+            ("uv", "0.12.24", []),
+            ("tomli", "2.5.0", []),
+            ("ray", "2.55.1", []),
+        ]
+    ]
     have = bundle.read_have(_have(tmp_path, "numpy\ngrpcio==1.60.0  # too old for flwr\n# a comment\nClick==8.1.0\n"))
     assert have == {"numpy": None, "grpcio": "1.60.0", "click": "8.1.0"}
     chosen, notes = bundle.select_wheels(wheels, ["flwr==1.41.0"], have, "3.12")
@@ -104,8 +145,9 @@ def test_the_bundle_carries_what_the_target_lacks_and_nothing_more(tmp_path):
     chosen, _ = bundle.select_wheels(wheels, ["flwr==1.41.0"], have, "3.10")
     assert "tomli" in [w.name for w in chosen]  # a marker is evaluated for the target's Python, not this one's
     with pytest.raises(bundle.BundleError, match="no wheel for missing"):
-        bundle.select_wheels(wheels + [bundle.read_wheel(fake_wheel(tmp_path, "x", "1", ["missing"]))], ["x"], {},
-                             "3.12")
+        bundle.select_wheels(
+            wheels + [bundle.read_wheel(fake_wheel(tmp_path, "x", "1", ["missing"]))], ["x"], {}, "3.12"
+        )
     with pytest.raises(bundle.BundleError, match="cannot read"):
         bundle.read_have(_have(tmp_path, "numpy>=2\n"))
 
@@ -124,19 +166,30 @@ def test_a_part_over_the_limit_is_named(tmp_path):
     (out / "part-1" / bundle.APP_ARCHIVE).write_bytes(b"c" * 1000)
     rows, table = bundle.part_table(out, code_bytes=1000, limit_bytes=5500)
     assert [(r["part"], r["bytes_with_code"], r["over_limit"]) for r in rows] == [
-        ("part-1", 4000, False), ("part-2", 6000, True)]  # a later part travels with the code beside it
+        ("part-1", 4000, False),
+        ("part-2", 6000, True),
+    ]  # a later part travels with the code beside it
     assert "part-2" in table.splitlines()[2] and "OVER THE LIMIT" in table.splitlines()[2]
 
 
 def test_publish_writes_a_gpu_campaign_and_refuses_a_cpu_one(tmp_path):
     out = tmp_path / "c"
     (out / "throughput").mkdir(parents=True)
-    state = {"plan": "fedssl_gpu/plans/gpu.yaml", "calls": [{"command": "fedssl-campaign run x", "started": "then"}],
-             "device": {"requested": "cuda", "name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
-             "install": {"flwr": "1.41.0"},
-             "stages": {"correctness": {"status": "done", "results": {
-                 "pytest": {"passed": 8, "failed": 0, "errors": 0, "skipped": 0},
-                 "smoke.yaml": {"ok": True, "devices": ["cuda:0 (NVIDIA H100 80GB HBM3)"], "seconds": 20.5}}}}}
+    state = {
+        "plan": "fedssl_gpu/plans/gpu.yaml",
+        "calls": [{"command": "fedssl-campaign run x", "started": "then"}],
+        "device": {"requested": "cuda", "name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
+        "install": {"flwr": "1.41.0"},
+        "stages": {
+            "correctness": {
+                "status": "done",
+                "results": {
+                    "pytest": {"passed": 8, "failed": 0, "errors": 0, "skipped": 0},
+                    "smoke.yaml": {"ok": True, "devices": ["cuda:0 (NVIDIA H100 80GB HBM3)"], "seconds": 20.5},
+                },
+            }
+        },
+    }
     (out / campaign.STATE_FILE).write_text(json.dumps(state))
     (out / "throughput" / "throughput.md").write_text("# Throughput\n| method | img/s |\n")
     dest = campaign.publish(out, tmp_path / "gpu.md")
@@ -152,6 +205,7 @@ def test_publish_writes_a_gpu_campaign_and_refuses_a_cpu_one(tmp_path):
 
 
 def test_run_config_quotes_strings_only():
-    assert campaign._run_config({"config": "configs/smoke.yaml", "rounds": 2, "eval.linear_probe": False,
-                                 "train.lr": 0.5}) == \
-        "config='configs/smoke.yaml' rounds=2 eval.linear_probe=false train.lr=0.5"
+    assert (
+        campaign._run_config({"config": "configs/smoke.yaml", "rounds": 2, "eval.linear_probe": False, "train.lr": 0.5})
+        == "config='configs/smoke.yaml' rounds=2 eval.linear_probe=false train.lr=0.5"
+    )

@@ -18,9 +18,15 @@ def test_checkpoints_are_complete_or_absent_and_pruned(tmp_path):
     store = DiskStateStore(tmp_path / "client_state" / "server-side")
     store.save(0, {"w": np.ones(2, np.float32)})
     for rnd in (1, 2, 3):
-        save_checkpoint(tmp_path, rnd, {"config": {"name": "x"}, "stores": ["server-side"]},
-                        {"backbone.w": np.full(3, rnd, np.float32)}, {"key": np.arange(rnd)},
-                        {"server-side": store.root}, keep=2)
+        save_checkpoint(
+            tmp_path,
+            rnd,
+            {"config": {"name": "x"}, "stores": ["server-side"]},
+            {"backbone.w": np.full(3, rnd, np.float32)},
+            {"key": np.arange(rnd)},
+            {"server-side": store.root},
+            keep=2,
+        )
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["round-000002", "round-000003"]
     # A folder left by a crash before its rename is not a checkpoint.
     (tmp_path / "checkpoints" / ".tmp-round-000004-dead").mkdir()
@@ -43,8 +49,15 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     for rnd in (1, 2):
-        save_checkpoint(tmp_path, rnd, {"config": {"name": "x"}}, {"w": np.full(64, rnd, np.float32)},
-                        {"key": np.arange(rnd)}, {}, keep=2)
+        save_checkpoint(
+            tmp_path,
+            rnd,
+            {"config": {"name": "x"}},
+            {"w": np.full(64, rnd, np.float32)},
+            {"key": np.arange(rnd)},
+            {},
+            keep=2,
+        )
     newest = tmp_path / "checkpoints" / "round-000002" / "global.npz"
     newest.write_bytes(newest.read_bytes()[:40])  # a copy cut short, a disk that filled
     ckpt = load_latest_checkpoint(tmp_path)
@@ -96,14 +109,23 @@ def test_strategy_state_round_trips_through_a_checkpoint(tmp_path):
     other.restore_state(json.loads(json.dumps(plain)), arrays, stores)
     assert other.autoscaler_lambdas == {0: 0.25, 1: 1.5}
 
-    server = get_strategy_class("fedssl")(clients={0: 10}, clients_per_round=1, state_dir=str(tmp_path / "s"),
-                                          options={"client_state": "server"})
+    server = get_strategy_class("fedssl")(
+        clients={0: 10}, clients_per_round=1, state_dir=str(tmp_path / "s"), options={"client_state": "server"}
+    )
     server.server_store.save(0, {"target.w": np.full(2, 7.0)})
     plain, arrays, stores = server.checkpoint_state()
-    save_checkpoint(tmp_path / "run", 1, {"strategy": plain, "stores": sorted(stores)}, {}, arrays,
-                    {k: v for k, v in stores.items()}, keep=1)
+    save_checkpoint(
+        tmp_path / "run",
+        1,
+        {"strategy": plain, "stores": sorted(stores)},
+        {},
+        arrays,
+        {k: v for k, v in stores.items()},
+        keep=1,
+    )
     server.server_store.save(0, {"target.w": np.zeros(2)})  # what round 2 wrote before the server died
     ckpt = load_latest_checkpoint(tmp_path / "run")
-    server.restore_state(ckpt.meta["strategy"], ckpt.strategy_arrays,
-                         {n: str(ckpt.store_snapshot(n)) for n in ckpt.meta["stores"]})
+    server.restore_state(
+        ckpt.meta["strategy"], ckpt.strategy_arrays, {n: str(ckpt.store_snapshot(n)) for n in ckpt.meta["stores"]}
+    )
     np.testing.assert_array_equal(server.server_store.load(0)["target.w"], np.full(2, 7.0))

@@ -98,8 +98,9 @@ def test_alignment_loss_gradcheck_float64_through_the_kernel_and_the_features():
     assert torch.autograd.gradcheck(lambda m: kernel_alignment_loss(m, target, debiased=True), (k,))
     a = torch.randn(12, 6, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda f: kernel_alignment_loss(linear_kernel(f), target), (a,))
-    assert torch.autograd.gradcheck(lambda f, h: linear_cka(f, h), (a, torch.randn(12, 3, dtype=torch.float64,
-                                                                                      requires_grad=True)))
+    assert torch.autograd.gradcheck(
+        lambda f, h: linear_cka(f, h), (a, torch.randn(12, 3, dtype=torch.float64, requires_grad=True))
+    )
 
 
 def test_collapsed_representation_gives_a_finite_loss_and_gradient():

@@ -17,8 +17,10 @@ TINY = {
     "rounds": 2,
     "data": {"dataset": "synthetic", "synthetic_train": 96, "synthetic_test": 32, "partition": "iid"},
     "model": {"arch": "resnet18", "width": 0.125},
-    "method": {"name": "byol", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32,
-                                           "momentum": 0.9}},
+    "method": {
+        "name": "byol",
+        "options": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32, "momentum": 0.9},
+    },
     "federation": {"num_clients": 2},
     "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
 }
@@ -60,17 +62,35 @@ def test_local_target_is_restored_not_replaced_by_the_global_model(cfg):
 
 
 def test_simclr_has_no_local_state_and_only_aggregate_target_uploads_the_target():
-    simclr = ExperimentConfig.from_dict({**TINY, "method": {"name": "simclr", "options": {
-        "proj_hidden_dim": 32, "proj_out_dim": 16}}})
-    res = train_local_ssl(simclr, client_images(simclr, 0), global_shared(simclr), None, server_round=1,
-                          partition_id=0, lr=0.05)
+    simclr = ExperimentConfig.from_dict(
+        {**TINY, "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}}}
+    )
+    res = train_local_ssl(
+        simclr, client_images(simclr, 0), global_shared(simclr), None, server_round=1, partition_id=0, lr=0.05
+    )
     assert res.local_state == {} and res.stats.steps == 1 and np.isfinite(res.stats.loss)
     byol = ExperimentConfig.from_dict(TINY)
-    res = train_local_ssl(byol, client_images(byol, 0), global_shared(byol, True), None, server_round=1,
-                          partition_id=0, lr=0.05, aggregate_target=True)
+    res = train_local_ssl(
+        byol,
+        client_images(byol, 0),
+        global_shared(byol, True),
+        None,
+        server_round=1,
+        partition_id=0,
+        lr=0.05,
+        aggregate_target=True,
+    )
     assert any(k.startswith("target_") for k in res.shared_state) and not res.local_state
-    res = train_local_ssl(byol, client_images(byol, 0), global_shared(byol), None, server_round=1,
-                          partition_id=0, lr=0.05, update_both=True)  # the paper's: no target upload, none kept
+    res = train_local_ssl(
+        byol,
+        client_images(byol, 0),
+        global_shared(byol),
+        None,
+        server_round=1,
+        partition_id=0,
+        lr=0.05,
+        update_both=True,
+    )  # the paper's: no target upload, none kept
     assert not any(k.startswith("target_") for k in res.shared_state) and not res.local_state
 
 
@@ -82,15 +102,25 @@ def run_identity():
 
 
 def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
-    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})
+    ctx = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
     info = app(Message(RecordDict({"config": ConfigRecord()}), dst_node_id=5, message_type="query.info"), ctx)
     assert info.content["metrics"]["partition-id"] == 1 and info.content["metrics"]["num-partitions"] == 2
     g = global_shared(cfg)
     for rnd in (1, 2):
-        msg = Message(RecordDict({"arrays": to_array_record(g), "config": ConfigRecord({
-            "experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, "update-both": False})}),
-            dst_node_id=5, message_type="train")
+        msg = Message(
+            RecordDict(
+                {
+                    "arrays": to_array_record(g),
+                    "config": ConfigRecord(
+                        {"experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, "update-both": False}
+                    ),
+                }
+            ),
+            dst_node_id=5,
+            message_type="train",
+        )
         reply = app(msg, ctx)
         assert not reply.has_error(), reply.error
         m = reply.content["metrics"]
@@ -107,11 +137,27 @@ def test_handlers_reply_and_keep_state_in_context(cfg, run_identity):
 
 def test_disk_mode_keeps_client_state_out_of_memory(cfg, run_identity, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_RAYLET_PID", "0")  # a simulated ClientApp: it takes the server's state-dir
-    ctx = Context(run_id=9, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})
-    msg = Message(RecordDict({"arrays": to_array_record(global_shared(cfg)), "config": ConfigRecord({
-        "experiment": cfg.to_json(), "server-round": 1, "lr": 0.05, "client-state": "disk",
-        "state-dir": str(tmp_path)})}), dst_node_id=5, message_type="train")
+    ctx = Context(
+        run_id=9, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
+    msg = Message(
+        RecordDict(
+            {
+                "arrays": to_array_record(global_shared(cfg)),
+                "config": ConfigRecord(
+                    {
+                        "experiment": cfg.to_json(),
+                        "server-round": 1,
+                        "lr": 0.05,
+                        "client-state": "disk",
+                        "state-dir": str(tmp_path),
+                    }
+                ),
+            }
+        ),
+        dst_node_id=5,
+        message_type="train",
+    )
     assert not app(msg, ctx).has_error()
     assert len(ctx.state.array_records) == 0  # nothing held in the node's memory between rounds
     files = list((tmp_path / "run-9").glob("client_*.npz"))
@@ -124,16 +170,24 @@ STEM = "backbone.stem.0.weight"
 
 
 def train_message(cfg, rnd, **config):
-    return Message(RecordDict({"arrays": to_array_record(global_shared(cfg)), "config": ConfigRecord({
-        "experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, **config})}),
-        dst_node_id=5, message_type="train")
+    return Message(
+        RecordDict(
+            {
+                "arrays": to_array_record(global_shared(cfg)),
+                "config": ConfigRecord({"experiment": cfg.to_json(), "server-round": rnd, "lr": 0.05, **config}),
+            }
+        ),
+        dst_node_id=5,
+        message_type="train",
+    )
 
 
 def test_server_client_state_is_read_from_the_message_and_returned_in_the_reply(cfg, run_identity, tmp_path):
     """client_state: server on the client side: the state comes with the message and goes back in the reply;
     nothing stays on the node (memory or disk)."""
-    ctx = Context(run_id=3, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})
+    ctx = Context(
+        run_id=3, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
     server_dir = tmp_path / "server-suggestion"
     first = train_message(cfg, 1, **{"client-state": "server", "state-dir": str(server_dir)})
     first.content["client-state"] = to_array_record({})  # what the strategy sends a client without state yet
@@ -168,8 +222,13 @@ def _saved_states(folder):
 
 def test_a_nodes_own_state_dir_wins_over_the_servers_suggestion(cfg, run_identity, tmp_path):
     node_dir, server_dir = tmp_path / "node", tmp_path / "server"
-    ctx = Context(run_id=9, node_id=5, state=RecordDict(), run_config={},
-                  node_config={"partition-id": 0, "num-partitions": 2, "state-dir": str(node_dir)})
+    ctx = Context(
+        run_id=9,
+        node_id=5,
+        state=RecordDict(),
+        run_config={},
+        node_config={"partition-id": 0, "num-partitions": 2, "state-dir": str(node_dir)},
+    )
     config = {"client-state": "disk", "state-dir": str(server_dir)}
     assert not app(train_message(cfg, 1, **config), ctx).has_error()
     saved = _saved_states(node_dir / "run-9")
@@ -192,8 +251,9 @@ def test_a_deployed_clientapp_never_writes_under_a_folder_the_server_names(cfg, 
     monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     server_dir = tmp_path / "server-named"
-    ctx = Context(run_id=4, node_id=5, state=RecordDict(), run_config={},
-                  node_config={"partition-id": 0, "num-partitions": 2})
+    ctx = Context(
+        run_id=4, node_id=5, state=RecordDict(), run_config={}, node_config={"partition-id": 0, "num-partitions": 2}
+    )
     assert not app(train_message(cfg, 1, **{"client-state": "disk", "state-dir": str(server_dir)}), ctx).has_error()
     assert not server_dir.exists()
     assert (tmp_path / "home" / ".cache" / "fedssl" / "client-state" / "run-4" / "client_0.r000001.npz").is_file()

@@ -17,11 +17,20 @@ from strategies import FedSSL
 
 
 def tiny_cfg(**train) -> ExperimentConfig:
-    return ExperimentConfig.from_dict({
-        "model": {"arch": "resnet18", "width": 0.125},
-        "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
-        "train": {"local_epochs": 1, "batch_size": 16, "optimizer": "adam", "lr": 1e-3, "fast_path": False, **train},
-    })
+    return ExperimentConfig.from_dict(
+        {
+            "model": {"arch": "resnet18", "width": 0.125},
+            "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
+            "train": {
+                "local_epochs": 1,
+                "batch_size": 16,
+                "optimizer": "adam",
+                "lr": 1e-3,
+                "fast_path": False,
+                **train,
+            },
+        }
+    )
 
 
 def images(n: int = 40) -> np.ndarray:
@@ -97,7 +106,7 @@ def test_the_figures_are_kept_on_the_nodes_disk_for_the_next_process(monkeypatch
     tasks.local_training(other, build_ssl_model(other, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [1, 1] and len(list((tmp_path / "cache").rglob("*.json"))) == 2
     # a torn file is measured again and rewritten, never read as figures
-    files[0].write_text("{\"flops_tot")
+    files[0].write_text('{"flops_tot')
     monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
     third = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [1, 1, 1] and third.resources["flops_total"] == first.resources["flops_total"]
@@ -109,14 +118,23 @@ def test_without_account_the_loop_measures_nothing(monkeypatch):
     monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
     monkeypatch.setattr(tasks, "training_step_flops", lambda *a, **k: pytest.fail("measured without account"))
     cfg = tiny_cfg()
-    stats = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(20), lr=1e-3, seed=0, device="cpu",
-                                 account=False)
+    stats = tasks.local_training(
+        cfg, build_ssl_model(cfg, seed=0), images(20), lr=1e-3, seed=0, device="cpu", account=False
+    )
     assert stats.resources == {}
 
 
 def client(pid: int, flops: float, images: float, mem: float, rss: float, up: int) -> dict:
-    return {"id": pid, "flops_total": flops, "flops_fvcore_equivalent": flops / 6, "images_trained": images,
-            "mem_total": mem, "mem_activations": mem / 2, "rss_peak_bytes": rss, "bytes_up": up}
+    return {
+        "id": pid,
+        "flops_total": flops,
+        "flops_fvcore_equivalent": flops / 6,
+        "images_trained": images,
+        "mem_total": mem,
+        "mem_activations": mem / 2,
+        "rss_peak_bytes": rss,
+        "bytes_up": up,
+    }
 
 
 def test_server_totals_and_maxima_by_hand():
@@ -137,10 +155,15 @@ def test_server_totals_and_maxima_by_hand():
 
 def test_a_rounds_extra_flops_add_to_the_run_and_are_kept_apart():
     s = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2, seed=0)
-    s.account_resources([{**client(0, 100.0, 32, 1000, 5e8, 7), "flops_extra": 500.0},
-                         client(1, 300.0, 16, 3000, 4e8, 9)])
+    s.account_resources(
+        [{**client(0, 100.0, 32, 1000, 5e8, 7), "flops_extra": 500.0}, client(1, 300.0, 16, 3000, 4e8, 9)]
+    )
     s.account_resources([{**client(0, 100.0, 32, 1000, 5e8, 7), "flops_extra": 250.0}])
-    c0, c1, run = s.client_resources["per_client"]["0"], s.client_resources["per_client"]["1"], s.client_resources["run"]
+    c0, c1, run = (
+        s.client_resources["per_client"]["0"],
+        s.client_resources["per_client"]["1"],
+        s.client_resources["run"],
+    )
     assert c0["flops_run"] == 2 * 100 * 32 + 500 + 250 and c0["flops_extra_run"] == 750
     assert c1["flops_run"] == 300 * 16 and "flops_extra_run" not in c1
     assert run["flops_run"] == 2 * 100 * 32 + 300 * 16 + 750 and run["flops_extra_run"] == 750
@@ -149,8 +172,12 @@ def test_a_rounds_extra_flops_add_to_the_run_and_are_kept_apart():
 def test_a_client_without_figures_counts_its_rounds_and_bytes_only():
     s = FedSSL(clients={0: 10}, clients_per_round=1, seed=0)
     s.account_resources([{"id": 0, "bytes_up": 5}])
-    assert s.client_resources["per_client"]["0"] == {"rounds": 1, "bytes_up": 5, "images_trained": 0.0,
-                                                     "flops_run": 0.0}
+    assert s.client_resources["per_client"]["0"] == {
+        "rounds": 1,
+        "bytes_up": 5,
+        "images_trained": 0.0,
+        "flops_run": 0.0,
+    }
 
 
 def test_the_totals_survive_a_checkpoint():

@@ -64,13 +64,19 @@ def test_a_clientapp_refuses_a_message_from_other_code():
 
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
     try:
-        ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                      run_config={})
-        ok = app(Message(RecordDict({"config": ConfigRecord(code_identity())}), dst_node_id=5,
-                         message_type="query.info"), ctx)
+        ctx = Context(
+            run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+        )
+        ok = app(
+            Message(RecordDict({"config": ConfigRecord(code_identity())}), dst_node_id=5, message_type="query.info"),
+            ctx,
+        )
         assert int(ok.content["metrics"]["partition-id"]) == 0
-        bad = Message(RecordDict({"config": ConfigRecord({**code_identity(), APP_DIGEST_KEY: "0" * 64})}),
-                      dst_node_id=5, message_type="query.info")
+        bad = Message(
+            RecordDict({"config": ConfigRecord({**code_identity(), APP_DIGEST_KEY: "0" * 64})}),
+            dst_node_id=5,
+            message_type="query.info",
+        )
         with pytest.raises(CodeMismatch, match=CODE_MISMATCH):  # an error reply in a real run
             app(bad, ctx)
     finally:
@@ -84,8 +90,9 @@ def test_a_refusal_stops_the_run_on_the_server():
     try:
         strategy = FedSSL(clients={0: 10, 1: 11}, clients_per_round=2)
         request = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=10, message_type="train")
-        refusal = Message(Error(code=0, reason=f"ClientApp raised: {CODE_MISMATCH}: this ClientApp runs code 1234"),
-                          reply_to=request)
+        refusal = Message(
+            Error(code=0, reason=f"ClientApp raised: {CODE_MISMATCH}: this ClientApp runs code 1234"), reply_to=request
+        )
         with pytest.raises(CodeMismatchStop, match="round 3: a client refused the round: .*code mismatch"):
             strategy.screen_replies(3, [refusal])
     finally:
@@ -115,12 +122,34 @@ def test_a_run_on_a_superlink_started_in_another_checkout_stops_naming_both_dige
     flwr = str(Path(sys.executable).parent / "flwr")
     try:
         # The first `flwr run` starts the local SuperLink in the other checkout (its run fails at once: no config).
-        subprocess.run([flwr, "run", str(other), "--run-config", "config='no-such.yaml'"], cwd=other, env=env,
-                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            [flwr, "run", str(other), "--run-config", "config='no-such.yaml'"],
+            cwd=other,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         out = tmp_path / "out"
-        proc = subprocess.run([flwr, "run", str(REPO), "--stream", "--run-config",
-                               f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}'"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
+        proc = subprocess.run(
+            [
+                flwr,
+                "run",
+                str(REPO),
+                "--stream",
+                "--run-config",
+                f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}'",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         log = (out / "progress.log").read_text() if (out / "progress.log").is_file() else ""
         stopped = [line for line in log.splitlines() if "stopped:" in line]
         assert stopped, (proc.stdout + proc.stderr)[-3000:]
@@ -154,8 +183,15 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
     app_code_digest.cache_clear()
     bin_dir = Path(sys.executable).parent
     marker = f"FEDSSL_CODE_GUARD_DEPLOY_{os.getpid()}"
-    base = {**os.environ, marker: "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    base = {
+        **os.environ,
+        marker: "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     from flwr_harness import free_port
 
     port, out, logs = free_port(), tmp_path / "out", tmp_path / "logs"
@@ -163,26 +199,66 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
     (tmp_path / "server").mkdir()
     procs = []
     try:
-        procs.append(subprocess.Popen(
-            [str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-             "--host", "127.0.0.1", "--port", str(port)], cwd=tmp_path / "server",
-            env={**base, "FLWR_HOME": str(tmp_path / "server-home"), "FEDSSL_ALLOWED_ROOTS": str(tmp_path)},
-            stdout=(logs / "superlink.log").open("w"), stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    str(bin_dir / "flower-superlink"),
+                    "--insecure",
+                    "--disable-runtime-dependency-installation",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                cwd=tmp_path / "server",
+                env={**base, "FLWR_HOME": str(tmp_path / "server-home"), "FEDSSL_ALLOWED_ROOTS": str(tmp_path)},
+                stdout=(logs / "superlink.log").open("w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
         time.sleep(5)
         for pid in (0, 1):
-            procs.append(subprocess.Popen(
-                [str(bin_dir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                 "--port", str(free_port()), "--node-config", f"partition-id={pid} num-partitions=2"],
-                cwd=other, env={**base, "FLWR_HOME": str(tmp_path / f"node-{pid}-home"), "PYTHONPATH": str(other)},
-                stdout=(logs / f"node-{pid}.log").open("w"), stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(bin_dir / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{port}",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        f"partition-id={pid} num-partitions=2",
+                    ],
+                    cwd=other,
+                    env={**base, "FLWR_HOME": str(tmp_path / f"node-{pid}-home"), "PYTHONPATH": str(other)},
+                    stdout=(logs / f"node-{pid}.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         cli_home = tmp_path / "cli-home"
         cli_home.mkdir()
-        (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "dev"\n\n[superlink.dev]\n'
-                                              f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-        proc = subprocess.run([str(bin_dir / "flwr"), "run", str(REPO), "dev", "--stream", "--run-config",
-                               f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1"],
-                              cwd=REPO, env={**base, "FLWR_HOME": str(cli_home)}, capture_output=True, text=True,
-                              timeout=600, stdin=subprocess.DEVNULL, check=False)
+        (cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "dev"\n\n[superlink.dev]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+        )
+        proc = subprocess.run(
+            [
+                str(bin_dir / "flwr"),
+                "run",
+                str(REPO),
+                "dev",
+                "--stream",
+                "--run-config",
+                f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1",
+            ],
+            cwd=REPO,
+            env={**base, "FLWR_HOME": str(cli_home)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     finally:
         for p in procs:
             p.terminate()

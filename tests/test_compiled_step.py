@@ -39,8 +39,18 @@ def images(n: int = 32) -> np.ndarray:
 
 
 def train(method: SSLMethod, backend: str | None, log=None):
-    return train_ssl(method, images(), epochs=2, batch_size=8, lr=0.05, optimizer="sgd", fast_path=False, seed=3,
-                     compile_backend=backend, log=log)
+    return train_ssl(
+        method,
+        images(),
+        epochs=2,
+        batch_size=8,
+        lr=0.05,
+        optimizer="sgd",
+        fast_path=False,
+        seed=3,
+        compile_backend=backend,
+        log=log,
+    )
 
 
 def weights(method: nn.Module) -> list[torch.Tensor]:
@@ -71,6 +81,7 @@ def test_a_compiler_that_fails_on_the_first_step_falls_back_to_eager_training(mo
         def run(*args):
             calls.append(backend)
             raise RuntimeError("InductorError: CppCompileError: C++ compile error\nlong compiler output")
+
         return run
 
     monkeypatch.setattr(training.torch, "compile", broken_compile)

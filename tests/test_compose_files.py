@@ -206,8 +206,9 @@ class Jobs:
         self.done: dict[str, subprocess.CompletedProcess] = {}
 
     def start(self, key: str, argv: list[str], **kwargs) -> None:
-        self.procs[key] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, **kwargs)
+        self.procs[key] = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+        )
 
     def result(self, key: str) -> subprocess.CompletedProcess:
         if key not in self.done:
@@ -280,7 +281,12 @@ def compose_cli() -> tuple[str, ...] | None:
     """``docker compose`` (the plugin) if it works, else Debian's ``docker-compose``, else None."""
     if shutil.which("docker"):
         try:
-            if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20, check=False).returncode == 0:
+            if (
+                subprocess.run(
+                    ["docker", "compose", "version"], capture_output=True, timeout=20, check=False
+                ).returncode
+                == 0
+            ):
                 return ("docker", "compose")
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -326,11 +332,12 @@ def openssl(*args: str | Path) -> str:
 @pytest.mark.parametrize("combo", COMBOS, ids=_ids)
 def test_compose_schema(combo: Combo, jobs: Jobs):
     if compose_cli() is None:
-        skip_unless_required("neither `docker compose` nor `docker-compose` is installed; for offline schema validation "
-                    "install Debian's docker-compose package (apt-get install docker-compose)")
+        skip_unless_required(
+            "neither `docker compose` nor `docker-compose` is installed; for offline schema validation "
+            "install Debian's docker-compose package (apt-get install docker-compose)"
+        )
     result = jobs.result(f"schema {combo.id}")
-    assert result.returncode == 0, \
-        f"{combo.id}: `{' '.join(result.args)}` rejects it:\n{result.stderr}{result.stdout}"
+    assert result.returncode == 0, f"{combo.id}: `{' '.join(result.args)}` rejects it:\n{result.stderr}{result.stdout}"
 
 
 # ---------------------------------------------------------------------- b. options and volumes
@@ -343,16 +350,20 @@ def test_command_options_exist(compose: Compose, flower_options):
         i = 0
         while i < len(tokens):
             name, eq, _ = tokens[i].partition("=")
-            assert name.startswith("--"), \
+            assert name.startswith("--"), (
                 f"{where(compose, service)}: {tokens[i]!r} follows no option that takes a value"
-            assert name in known, (f"{where(compose, service)}: {name} is not an option of {program} "
-                                   f"(flwr {flwr.__version__}); its options: {sorted(known)}")
+            )
+            assert name in known, (
+                f"{where(compose, service)}: {name} is not an option of {program} "
+                f"(flwr {flwr.__version__}); its options: {sorted(known)}"
+            )
             assert name not in seen, f"{where(compose, service)}: {name} is given twice"
             seen.add(name)
             if known[name] and not eq:
                 i += 1
-                assert i < len(tokens) and not tokens[i].startswith("--"), \
+                assert i < len(tokens) and not tokens[i].startswith("--"), (
                     f"{where(compose, service)}: {name} needs a value"
+                )
             i += 1
 
 
@@ -363,8 +374,10 @@ def test_file_options_are_on_mounted_volumes(compose: Compose):
                 continue
             mount = mount_of(compose, service, value)
             targets = [t for _, t, _ in compose.volumes(service)]
-            assert mount is not None, (f"{where(compose, service)}: {name} {value} is not on any volume the service "
-                                       f"mounts (relative to WORKDIR {CONTAINER_WORKDIR}; mounts: {targets})")
+            assert mount is not None, (
+                f"{where(compose, service)}: {name} {value} is not on any volume the service "
+                f"mounts (relative to WORKDIR {CONTAINER_WORKDIR}; mounts: {targets})"
+            )
             if name in WRITTEN_OPTIONS:
                 assert mount[2] != "ro", f"{where(compose, service)}: {name} {value} is on read-only {mount[1]}"
 
@@ -394,17 +407,19 @@ def test_node_config(combo: Combo, compose: Compose):
         ids = sorted(cfg["partition-id"] for cfg in configs.values())
         assert ids == list(range(len(configs))), f"{where(compose)}: partition ids {ids} are not 0..{len(configs) - 1}"
         for service, cfg in configs.items():
-            assert cfg["num-partitions"] == len(configs), \
-                (f"{where(compose, service)}: num-partitions={cfg['num-partitions']} but the file has "
-                 f"{len(configs)} SuperNodes")
+            assert cfg["num-partitions"] == len(configs), (
+                f"{where(compose, service)}: num-partitions={cfg['num-partitions']} but the file has "
+                f"{len(configs)} SuperNodes"
+            )
 
 
 def test_client_node_config_takes_extra_keys():
     c = load(CLIENT_COMBO, PARTITION_ID="1", NUM_PARTITIONS="3", NODE_CONFIG="data-path='/data/own.npz'")
     (service,) = services_running(c, SUPERNODE)
     cfg = node_config(c, service)
-    assert (cfg.get("partition-id"), cfg.get("num-partitions"), cfg.get("data-path")) == (1, 3, "/data/own.npz"), \
+    assert (cfg.get("partition-id"), cfg.get("num-partitions"), cfg.get("data-path")) == (1, 3, "/data/own.npz"), (
         f"{where(c, service)}: NODE_CONFIG/PARTITION_ID/NUM_PARTITIONS do not reach --node-config: {cfg}"
+    )
 
 
 # ---------------------------------------------------------------------- d. addresses
@@ -414,17 +429,21 @@ def test_dialled_addresses_name_listening_services(combo: Combo, compose: Compos
     for service, option, address in dials(compose):
         target = dialled_service(compose, address)
         if target is None and combo.external_superlink and option == "--superlink":
-            assert address == COMPOSE_ENV["SUPERLINK_ADDRESS"], \
+            assert address == COMPOSE_ENV["SUPERLINK_ADDRESS"], (
                 f"{where(compose, service)}: {option} {address} does not come from SUPERLINK_ADDRESS"
+            )
             continue
         assert target is not None, f"{where(compose, service)}: {option} {address} names no service of the project"
-        assert program_name(compose, target) in expected_targets(service, option), \
+        assert program_name(compose, target) in expected_targets(service, option), (
             f"{where(compose, service)}: {option} {address} dials {target}, which runs {program_name(compose, target)}"
+        )
         target_opts = options(compose, target)
-        assert split_address(address)[1] == target_opts.get("--port"), \
+        assert split_address(address)[1] == target_opts.get("--port"), (
             f"{where(compose, service)}: {option} {address} but {target} listens on --port {target_opts.get('--port')}"
-        assert target_opts.get("--host") in ("0.0.0.0", "::"), \
+        )
+        assert target_opts.get("--host") in ("0.0.0.0", "::"), (
             f"{where(compose, target)}: --host {target_opts.get('--host')} is not reachable from {service}'s container"
+        )
 
 
 def test_process_isolated_components_have_one_executor(compose: Compose):
@@ -435,8 +454,9 @@ def test_process_isolated_components_have_one_executor(compose: Compose):
     for service in services_running(compose, SUPERLINK) + services_running(compose, SUPERNODE):
         if options(compose, service).get("--isolation") == "process":
             executors = dialled_by.get(service, [])
-            assert len(executors) == 1, \
+            assert len(executors) == 1, (
                 f"{where(compose, service)}: --isolation process needs one executor, dialled by {executors}"
+            )
 
 
 # ---------------------------------------------------------------------- e. security
@@ -461,13 +481,15 @@ def test_tls_configuration(compose: Compose):
         if target is None or program_name(compose, target) == SUPERLINK:
             opts = options(compose, service)
             assert "--insecure" not in opts, f"{where(compose, service)}: --insecure on its connection to the SuperLink"
-            assert "--root-certificates" in opts, \
+            assert "--root-certificates" in opts, (
                 f"{where(compose, service)}: dials the SuperLink without --root-certificates"
+            )
     insecure = [s for s in compose.services if "--insecure" in options(compose, s)]
     for service in insecure:
         target = dialled_service(compose, options(compose, service).get("--runtime-api-address") or "none:0")
-        assert service.startswith(CLIENTAPP_PREFIX) and target and program_name(compose, target) == SUPERNODE, \
+        assert service.startswith(CLIENTAPP_PREFIX) and target and program_name(compose, target) == SUPERNODE, (
             f"{where(compose, service)}: --insecure is only allowed for a ClientApp executor dialling its SuperNode"
+        )
 
 
 @pytest.mark.parametrize("combo", TLS_COMBOS, ids=_ids)
@@ -479,15 +501,18 @@ def test_tls_files_are_shared_where_they_must_match(compose: Compose):
             continue
         secrets = [options(compose, s).get("--superexec-auth-secret-file") for s in (service, target)]
         files = [host_file(compose, s, v) if v else None for s, v in zip((service, target), secrets)]
-        assert files[0] == files[1], (f"{where(compose, service)}: its SuperExec secret ({secrets[0]} -> {files[0]}) "
-                                      f"differs from {target}'s ({secrets[1]} -> {files[1]})")
+        assert files[0] == files[1], (
+            f"{where(compose, service)}: its SuperExec secret ({secrets[0]} -> {files[0]}) "
+            f"differs from {target}'s ({secrets[1]} -> {files[1]})"
+        )
     for link in services_running(compose, SUPERLINK):
         ca = host_file(compose, link, options(compose, link)["--ssl-ca-certfile"])
         for service in compose.services:
             root = options(compose, service).get("--root-certificates")
             if root:
-                assert host_file(compose, service, root) == ca, \
+                assert host_file(compose, service, root) == ca, (
                     f"{where(compose, service)}: --root-certificates {root} is not {link}'s CA certificate"
+                )
 
 
 # ---------------------------------------------------------------------- f. GPUs
@@ -498,9 +523,10 @@ def test_gpu_reservations(combo: Combo, compose: Compose):
     if combo.gpu:
         assert clientapps, f"{where(compose)}: a GPU overlay but no ClientApp executor"
         for service in clientapps:
-            assert reserves_nvidia_gpu(compose.services[service]), \
-                (f"{where(compose, service)}: no deploy.resources.reservations.devices entry with driver nvidia "
-                 "and capability gpu")
+            assert reserves_nvidia_gpu(compose.services[service]), (
+                f"{where(compose, service)}: no deploy.resources.reservations.devices entry with driver nvidia "
+                "and capability gpu"
+            )
     else:
         reserving = [s for s, spec in compose.services.items() if reserved_devices(spec)]
         assert not reserving, f"{where(compose)}: devices reserved without a GPU overlay by {reserving}"
@@ -521,8 +547,14 @@ def satisfies(version: str, requirement: str) -> bool:
     try:
         from packaging.requirements import Requirement
     except ImportError:  # plain numeric comparison of each bound
-        ops = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
-               "<": operator.lt}
+        ops = {
+            ">=": operator.ge,
+            "<=": operator.le,
+            "==": operator.eq,
+            "!=": operator.ne,
+            ">": operator.gt,
+            "<": operator.lt,
+        }
         key = lambda v: tuple(int(n) for n in re.findall(r"\d+", v))
         bounds = re.findall(r"(>=|<=|==|!=|>|<)\s*([\w.]+)", requirement)
         return all(ops[op](key(version), key(bound)) for op, bound in bounds)
@@ -535,8 +567,9 @@ def pinned_flwr_version() -> str:
     for path in sorted(DOCKER_DIR.rglob("compose*.yml")):
         text = path.read_text()
         defaults = re.findall(r"\$\{FLWR_VERSION:-([^}]*)\}", text)
-        assert len(defaults) == len(re.findall(r"\$\{?FLWR_VERSION\b", text)), \
+        assert len(defaults) == len(re.findall(r"\$\{?FLWR_VERSION\b", text)), (
             f"{path.relative_to(REPO)}: FLWR_VERSION used without the ${{FLWR_VERSION:-X}} default"
+        )
         for version in defaults:
             found.setdefault(version, []).append(str(path.relative_to(REPO)))
     args = re.findall(r"^ARG FLWR_VERSION=(\S+)\s*$", (DOCKER_DIR / "app.Dockerfile").read_text(), re.MULTILINE)
@@ -561,10 +594,12 @@ def test_images_use_the_installed_version(combo: Combo):
             assert tag == version, f"{where(c, service)}: image {spec.get('image')} is not tagged {version} ({env})"
             if "build" in spec:
                 build = spec["build"]
-                assert str(build.get("args", {}).get("FLWR_VERSION")) == version, \
+                assert str(build.get("args", {}).get("FLWR_VERSION")) == version, (
                     f"{where(c, service)}: build arg FLWR_VERSION is not {version} ({env})"
-                assert (c.project_dir / build["context"]).resolve() == REPO, \
+                )
+                assert (c.project_dir / build["context"]).resolve() == REPO, (
                     f"{where(c, service)}: build context {build['context']} is not the repository root"
+                )
                 assert (REPO / build["dockerfile"]).is_file(), f"{where(c, service)}: no {build['dockerfile']}"
 
 
@@ -595,9 +630,10 @@ def test_app_image_installs_project_dependencies(tmp_path):
     copies = [shlex.split(i)[1:] for i in instructions if i.startswith("COPY ") and "pyproject.toml" in i]
     assert len(copies) == 1, f"docker/app.Dockerfile: expected one COPY of pyproject.toml, found {copies}"
     source, dest = copies[0]
-    assert not docker_ignored(source), \
+    assert not docker_ignored(source), (
         f".dockerignore keeps {source} (COPY'd by docker/app.Dockerfile) out of the build context"
-    runs = [shlex.split(i[len("RUN "):]) for i in instructions if i.startswith("RUN ") and "python -c" in i]
+    )
+    runs = [shlex.split(i[len("RUN ") :]) for i in instructions if i.startswith("RUN ") and "python -c" in i]
     assert len(runs) == 1, "docker/app.Dockerfile: expected one RUN python -c ... requirement step"
     tokens = runs[0]
     code = tokens[tokens.index("-c") + 1]
@@ -606,12 +642,18 @@ def test_app_image_installs_project_dependencies(tmp_path):
     assert written == installed, f"docker/app.Dockerfile: requirements written to {written}, installed from {installed}"
 
     shutil.copy(REPO / source, tmp_path / "pyproject.toml")
-    result = subprocess.run([sys.executable, "-c", code.replace(dest, str(tmp_path / "pyproject.toml"))],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code.replace(dest, str(tmp_path / "pyproject.toml"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, f"docker/app.Dockerfile: the requirement step fails: {result.stderr}"
     expected = [d for d in project_dependencies() if requirement_name(d) != "flwr"]
-    assert result.stdout.splitlines() == expected, \
+    assert result.stdout.splitlines() == expected, (
         f"docker/app.Dockerfile installs {result.stdout.splitlines()}, pyproject.toml needs {expected} (besides flwr)"
+    )
 
 
 # ---------------------------------------------------------------------- i. secret scripts
@@ -653,20 +695,27 @@ def test_make_certs_server_certificate(certs: Path):
     entries = {e.strip().replace("IP Address:", "IP:") for e in san_text.splitlines()[-1].split(",")}
     expected = {f"IP:{h}" if re.fullmatch(r"[\d.]+", h) else f"DNS:{h}" for h in SANS}
     assert entries == expected, f"docker/make-certs.sh: server.pem's SANs are {entries}, not {expected}"
-    verify = subprocess.run(["openssl", "verify", "-purpose", "sslserver", "-CAfile", certs / "ca.crt",
-                             certs / "server.pem"], capture_output=True, text=True, timeout=60, check=False)
-    assert verify.returncode == 0, \
+    verify = subprocess.run(
+        ["openssl", "verify", "-purpose", "sslserver", "-CAfile", certs / "ca.crt", certs / "server.pem"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert verify.returncode == 0, (
         f"docker/make-certs.sh: server.pem does not verify against ca.crt: {verify.stdout}{verify.stderr}"
-    assert openssl("x509", "-noout", "-pubkey", "-in", certs / "server.pem") == \
-        openssl("pkey", "-pubout", "-in", certs / "server.key"), \
-        "docker/make-certs.sh: server.key does not match server.pem"
+    )
+    assert openssl("x509", "-noout", "-pubkey", "-in", certs / "server.pem") == openssl(
+        "pkey", "-pubout", "-in", certs / "server.key"
+    ), "docker/make-certs.sh: server.key does not match server.pem"
 
 
 def test_make_certs_file_modes(certs: Path):
     assert_modes(certs, ("ca.key", "server.key", "superexec.secret"), ("ca.crt", "server.pem"), "docker/make-certs.sh")
     written = sorted(p.name for p in certs.iterdir())
-    assert written == ["ca.crt", "ca.key", "server.key", "server.pem", "superexec.secret"], \
+    assert written == ["ca.crt", "ca.key", "server.key", "server.pem", "superexec.secret"], (
         f"docker/make-certs.sh: unexpected files {written} (temporary files left behind?)"
+    )
 
 
 def test_make_certs_refuses_to_overwrite(certs: Path):
@@ -680,15 +729,19 @@ def test_make_supernode_key(supernode_key: Path):
     public = (supernode_key / "supernode.key.pub").read_text().split()
     assert public and public[0] == "ecdsa-sha2-nistp384", f"docker/make-supernode-key.sh: public key type {public[:1]}"
     key = load_ssh_private_key((supernode_key / "supernode.key").read_bytes(), None)  # as flower-supernode loads it
-    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1", \
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1", (
         f"docker/make-supernode-key.sh: supernode.key is a {type(key).__name__}"
-    assert_modes(supernode_key, ("supernode.key", "superexec.secret"), ("supernode.key.pub",),
-                 "docker/make-supernode-key.sh")
+    )
+    assert_modes(
+        supernode_key, ("supernode.key", "superexec.secret"), ("supernode.key.pub",), "docker/make-supernode-key.sh"
+    )
     assert_refuses_to_overwrite("make-supernode-key.sh", supernode_key)
 
 
-@pytest.mark.parametrize("script, nargs", [("make-certs.sh", 0), ("make-certs.sh", 1),
-                                           ("make-supernode-key.sh", 0), ("make-supernode-key.sh", 2)])
+@pytest.mark.parametrize(
+    "script, nargs",
+    [("make-certs.sh", 0), ("make-certs.sh", 1), ("make-supernode-key.sh", 0), ("make-supernode-key.sh", 2)],
+)
 def test_scripts_usage(tmp_path, script: str, nargs: int):
     args = [tmp_path / f"arg{i}" for i in range(nargs)]
     result = run_script(script, *args)
@@ -706,14 +759,19 @@ def test_each_container_mounts_only_the_secret_files_it_uses(combo: Combo):
     and the CA's private key enters none (found in a real run: the whole secrets folder was in every container)."""
     compose = load(combo)
     for service in compose.services:
-        used = {posixpath.normpath(posixpath.join(CONTAINER_WORKDIR, v))
-                for v in options(compose, service).values() if is_path(v) and "secrets/" in v}
+        used = {
+            posixpath.normpath(posixpath.join(CONTAINER_WORKDIR, v))
+            for v in options(compose, service).values()
+            if is_path(v) and "secrets/" in v
+        }
         for host, target, _mode in compose.volumes(service):
             if not target.startswith(f"{CONTAINER_WORKDIR}/secrets"):
                 continue
             assert host.name != "ca.key", f"{where(compose, service)}: mounts the CA's private key"
-            assert target in used, (f"{where(compose, service)}: mounts {target}, which its command does not use "
-                                    f"(a secrets folder or another service's file); it uses {sorted(used)}")
+            assert target in used, (
+                f"{where(compose, service)}: mounts {target}, which its command does not use "
+                f"(a secrets folder or another service's file); it uses {sorted(used)}"
+            )
 
 
 def test_torch_layer_matches_pyproject():
@@ -721,19 +779,26 @@ def test_torch_layer_matches_pyproject():
     requirements as pyproject.toml's."""
     text = (DOCKER_DIR / "app.Dockerfile").read_text()
     found = re.findall(r'^ARG TORCH_REQUIREMENTS="([^"]*)"', text, re.MULTILINE)
-    assert len(found) == 1, "docker/app.Dockerfile: expected one ARG TORCH_REQUIREMENTS=\"...\""
+    assert len(found) == 1, 'docker/app.Dockerfile: expected one ARG TORCH_REQUIREMENTS="..."'
     expected = [d.replace(" ", "") for d in project_dependencies() if requirement_name(d) in ("torch", "torchvision")]
     assert found[0].split() == expected
-    assert text.index("${TORCH_REQUIREMENTS}") < text.index("COPY pyproject.toml"), \
+    assert text.index("${TORCH_REQUIREMENTS}") < text.index("COPY pyproject.toml"), (
         "docker/app.Dockerfile: torch must be installed before pyproject.toml is copied (layer cache)"
+    )
 
 
 def test_standin_images_follow_the_official_layout():
     """docker/standin/Dockerfile (used only where Flower's images cannot be pulled): the official images' user,
     venv, working folder and one stage per image with its program as the entrypoint."""
     text = (DOCKER_DIR / "standin" / "Dockerfile").read_text()
-    for needle in ("--uid 49999", "python3 -m venv /python/venv", "ENV PATH=/python/venv/bin:$PATH", "USER app",
-                   "WORKDIR /app", 'flwr==${FLWR_VERSION}'):
+    for needle in (
+        "--uid 49999",
+        "python3 -m venv /python/venv",
+        "ENV PATH=/python/venv/bin:$PATH",
+        "USER app",
+        "WORKDIR /app",
+        "flwr==${FLWR_VERSION}",
+    ):
         assert needle in text, f"docker/standin/Dockerfile: no {needle!r}"
     stages = dict(re.findall(r"^FROM base AS (\w+)\nENTRYPOINT \[\"([\w-]+)\"\]", text, re.MULTILINE))
     assert stages == {name: f"flower-{name}" for name in ("superlink", "supernode", "superexec")}, stages

@@ -22,21 +22,24 @@ def test_defaults_validate():
     assert cfg.min_available_clients == cfg.federation.num_clients
 
 
-@pytest.mark.parametrize("raw, key", [
-    ({"train": {"lrr": 0.1}}, "train.lrr"),
-    ({"bogus": 1}, "bogus"),
-    ({"train": {"lr": "fast"}}, "train.lr"),
-    ({"train": {"local_epochs": 1.5}}, "train.local_epochs"),
-    ({"train": {"fast_path": 1}}, "train.fast_path"),
-    ({"data": {"alpha": 0}}, "data.alpha"),
-    ({"data": {"alpha": -1.0}}, "data.alpha"),
-    ({"data": {"partition": "shards"}}, "data.partition"),
-    ({"federation": {"num_clients": 3, "clients_per_round": 4}}, "federation.clients_per_round"),
-    ({"rounds": 0}, "rounds"),
-    ({"train": "sgd"}, "train"),
-    ({"data": {"dataset": "npz"}}, "data.path"),
-    ({"train": {"lr": float("nan")}}, "train.lr"),
-])
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"train": {"lrr": 0.1}}, "train.lrr"),
+        ({"bogus": 1}, "bogus"),
+        ({"train": {"lr": "fast"}}, "train.lr"),
+        ({"train": {"local_epochs": 1.5}}, "train.local_epochs"),
+        ({"train": {"fast_path": 1}}, "train.fast_path"),
+        ({"data": {"alpha": 0}}, "data.alpha"),
+        ({"data": {"alpha": -1.0}}, "data.alpha"),
+        ({"data": {"partition": "shards"}}, "data.partition"),
+        ({"federation": {"num_clients": 3, "clients_per_round": 4}}, "federation.clients_per_round"),
+        ({"rounds": 0}, "rounds"),
+        ({"train": "sgd"}, "train"),
+        ({"data": {"dataset": "npz"}}, "data.path"),
+        ({"train": {"lr": float("nan")}}, "train.lr"),
+    ],
+)
 def test_invalid_values_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):
         ExperimentConfig.from_dict(raw)
@@ -89,8 +92,11 @@ def test_load_experiment_applies_overrides_and_checks_components():
     with pytest.raises(ConfigError, match=r"^method.options.tau:"):
         cfg2 = ExperimentConfig.from_yaml(REPO / "configs/smoke.yaml", {"method.options.tau": 0.1})
         from ssl_models.factory import method_options
+
         method_options(cfg2)
-    with pytest.raises(ConfigError, match=r"^config: 'configs/does-not-exist.yaml' not found \(looked for it in the app"):
+    with pytest.raises(
+        ConfigError, match=r"^config: 'configs/does-not-exist.yaml' not found \(looked for it in the app"
+    ):
         load_experiment({"config": "configs/does-not-exist.yaml"})
 
 
@@ -117,17 +123,22 @@ def test_shipped_configs_validate(path):
     cfg = ExperimentConfig.from_yaml(path)
     from ssl_models.factory import method_options
     from strategies import get_strategy_class
+
     method_options(cfg)
-    validate_component_options(cfg.strategy.options, get_strategy_class(cfg.strategy.name).default_options(),
-                               "strategy.options")
+    validate_component_options(
+        cfg.strategy.options, get_strategy_class(cfg.strategy.name).default_options(), "strategy.options"
+    )
 
 
-@pytest.mark.parametrize("model, key", [
-    ({"arch": "resnet18", "options": {"depth": 6}}, "model.options"),  # ResNets take no options
-    ({"arch": "vit_tiny", "options": {"heads": 6}}, "model.options"),
-    ({"arch": "vit_tiny", "options": {"depth": 0}}, "model.options.depth"),
-    ({"arch": "vit_tiny", "options": {"depth": 2.5}}, "model.options.depth"),
-])
+@pytest.mark.parametrize(
+    "model, key",
+    [
+        ({"arch": "resnet18", "options": {"depth": 6}}, "model.options"),  # ResNets take no options
+        ({"arch": "vit_tiny", "options": {"heads": 6}}, "model.options"),
+        ({"arch": "vit_tiny", "options": {"depth": 0}}, "model.options.depth"),
+        ({"arch": "vit_tiny", "options": {"depth": 2.5}}, "model.options.depth"),
+    ],
+)
 def test_model_options_are_checked_against_the_architecture(model, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):
         ExperimentConfig.from_dict({"model": model})
@@ -135,8 +146,10 @@ def test_model_options_are_checked_against_the_architecture(model, key):
 
 def test_model_options_shape_every_model_of_the_config_arch():
     from ssl_models.factory import build_ssl_model
-    cfg = ExperimentConfig.from_dict({"model": {"arch": "vit_tiny", "width": 0.125, "options": {"depth": 3}},
-                                      "method": {"name": "mocov3"}})
+
+    cfg = ExperimentConfig.from_dict(
+        {"model": {"arch": "vit_tiny", "width": 0.125, "options": {"depth": 3}}, "method": {"name": "mocov3"}}
+    )
     assert len(build_ssl_model(cfg, seed=0).backbone.blocks) == 3
     assert len(build_ssl_model(cfg, seed=0, depth=2).backbone.blocks) == 2  # an explicit option wins
     # the options belong to model.arch: another architecture of the same config is built without them
@@ -145,9 +158,11 @@ def test_model_options_shape_every_model_of_the_config_arch():
 
 def test_layerwise_run_refuses_a_model_depth_other_than_its_stages(tmp_path):
     path = tmp_path / "lw.yaml"
-    path.write_text("rounds: 4\nmodel: {arch: vit_tiny, width: 0.125, options: {depth: 3}}\n"
-                    "method: {name: mocov3}\nstrategy: {name: fedmoco_lw, options: {stages: 4}}\n"
-                    "data: {dataset: synthetic}\n")
+    path.write_text(
+        "rounds: 4\nmodel: {arch: vit_tiny, width: 0.125, options: {depth: 3}}\n"
+        "method: {name: mocov3}\nstrategy: {name: fedmoco_lw, options: {stages: 4}}\n"
+        "data: {dataset: synthetic}\n"
+    )
     with pytest.raises(ConfigError, match=r"model.options.depth=3 disagrees with strategy.options.stages=4"):
         load_experiment({"config": str(path)})
     path.write_text(path.read_text().replace("depth: 3", "depth: 4"))
@@ -163,11 +178,16 @@ def write_yaml(path: Path, text: str) -> Path:
 
 
 def test_a_config_names_a_base_and_overrides_only_what_differs(tmp_path):
-    write_yaml(tmp_path / "family" / "base.yaml", "name: b\nrounds: 7\ntrain: {lr: 0.5, batch_size: 16}\n"
-               "strategy: {name: fedema, options: {tau: 0.7, mu_mode: autoscaler}}\n")
+    write_yaml(
+        tmp_path / "family" / "base.yaml",
+        "name: b\nrounds: 7\ntrain: {lr: 0.5, batch_size: 16}\n"
+        "strategy: {name: fedema, options: {tau: 0.7, mu_mode: autoscaler}}\n",
+    )
     write_yaml(tmp_path / "family" / "mid.yaml", "base: base.yaml\nname: m\ntrain: {lr: 0.25}\n")
-    leaf = write_yaml(tmp_path / "runs" / "leaf.yaml",  # a chain, resolved relative to each file
-                      "base: ../family/mid.yaml\nstrategy.options.tau: 0.5\nname: leaf\n")
+    leaf = write_yaml(
+        tmp_path / "runs" / "leaf.yaml",  # a chain, resolved relative to each file
+        "base: ../family/mid.yaml\nstrategy.options.tau: 0.5\nname: leaf\n",
+    )
     cfg = ExperimentConfig.from_yaml(leaf)
     assert (cfg.name, cfg.rounds, cfg.train.lr, cfg.train.batch_size) == ("leaf", 7, 0.25, 16)
     assert cfg.strategy.options == {"tau": 0.5, "mu_mode": "autoscaler"}
@@ -197,13 +217,20 @@ def test_composition_errors_name_the_file_and_the_key(tmp_path):
 
 
 def test_run_config_sets_component_options_by_dotted_key(tmp_path):
-    cfg, _ = load_experiment({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic",
-                              "strategy.options.tau": 0.5, "method.options.momentum": 0.9})
+    cfg, _ = load_experiment(
+        {
+            "config": "configs/smoke-fedema.yaml",
+            "data.dataset": "synthetic",
+            "strategy.options.tau": 0.5,
+            "method.options.momentum": 0.9,
+        }
+    )
     assert cfg.strategy.options["tau"] == 0.5 and cfg.method.options["momentum"] == 0.9
     # an option the chosen strategy does not take is refused by name, not ignored
     with pytest.raises(ConfigError, match=r"^strategy.options.stages: unknown option"):
-        load_experiment({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic",
-                         "strategy.options.stages": 3})
+        load_experiment(
+            {"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic", "strategy.options.stages": 3}
+        )
     with pytest.raises(ConfigError, match=r"^strategy.options.tua: unknown run-config key"):
         overrides_from_run_config({"strategy.options.tua": 0.5})
 

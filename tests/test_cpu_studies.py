@@ -26,8 +26,13 @@ def rows(name):
 def test_layerwise_rows_differ_only_in_strategy_and_fll_dd_in_its_method():
     r = rows("lwfedssl")
     assert {v: c["strategy"]["name"] for v, c in r.items()} == {
-        "FedMoCoV3 (end to end)": "fedssl", "LW-FedSSL": "lwfedssl", "FedMoCo-LW": "fedmoco_lw",
-        "Prog-FedSSL": "prog_fedssl", "FLL+DD (SimCLR)": "fll_dd", "centralized": "central"}
+        "FedMoCoV3 (end to end)": "fedssl",
+        "LW-FedSSL": "lwfedssl",
+        "FedMoCo-LW": "fedmoco_lw",
+        "Prog-FedSSL": "prog_fedssl",
+        "FLL+DD (SimCLR)": "fll_dd",
+        "centralized": "central",
+    }
     base = r["LW-FedSSL"]
     for variant, cfg in r.items():
         allowed = {"name"} | {k for k in differences(base, cfg) if k.startswith("strategy.")}
@@ -44,14 +49,19 @@ def test_layerwise_rows_differ_only_in_strategy_and_fll_dd_in_its_method():
 def test_fedema_family_rows():
     r = rows("fedema-family")
     assert {v: c["strategy"]["name"] for v, c in r.items()} == {
-        "FedBYOL": "fedssl", "FedU": "fedu", "FedEMA (autoscaler, tau 0.7, EasyFL divergence)": "fedema",
-        "FedEMA (paper divergence)": "fedema", "centralized": "central"}
+        "FedBYOL": "fedssl",
+        "FedU": "fedu",
+        "FedEMA (autoscaler, tau 0.7, EasyFL divergence)": "fedema",
+        "FedEMA (paper divergence)": "fedema",
+        "centralized": "central",
+    }
     assert r["FedEMA (autoscaler, tau 0.7, EasyFL divergence)"]["strategy"]["options"]["divergence"] == "easyfl"
     assert r["FedEMA (paper divergence)"]["strategy"]["options"]["divergence"] == "paper"
     assert r["FedU"]["strategy"]["options"]["threshold"] == 0.4
     for cfg in r.values():
-        assert differences(r["FedBYOL"], cfg) <= {"name"} | {k for k in differences(r["FedBYOL"], cfg)
-                                                          if k.startswith("strategy.")}
+        assert differences(r["FedBYOL"], cfg) <= {"name"} | {
+            k for k in differences(r["FedBYOL"], cfg) if k.startswith("strategy.")
+        }
 
 
 def test_flesd_rows_have_equal_local_compute():

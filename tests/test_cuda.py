@@ -55,8 +55,12 @@ class ConvOutputs:
 
     def hook(self, name: str):
         def record(_module, _inputs, output: torch.Tensor) -> None:
-            self.outputs[name] = (output.dtype, output.is_contiguous(memory_format=torch.channels_last),
-                                  output.is_contiguous())
+            self.outputs[name] = (
+                output.dtype,
+                output.is_contiguous(memory_format=torch.channels_last),
+                output.is_contiguous(),
+            )
+
         return record
 
     def remove(self) -> None:
@@ -64,16 +68,25 @@ class ConvOutputs:
             handle.remove()
 
 
-def train_tiny(device: str, fast_path: bool, steps: int = STEPS) -> tuple[nn.Module, TrainStats, ConvOutputs,
-                                                                           dict[str, torch.Tensor]]:
+def train_tiny(
+    device: str, fast_path: bool, steps: int = STEPS
+) -> tuple[nn.Module, TrainStats, ConvOutputs, dict[str, torch.Tensor]]:
     """A few steps of a tiny SimCLR on ``device``: (the method, its stats, its convolutions' outputs, its parameters
     before training)."""
     method = tiny_simclr()
     before = {k: p.detach().clone() for k, p in method.named_parameters()}
     convs = ConvOutputs(method.backbone)
     try:
-        stats = train_ssl(method, random_images(BATCH * steps), epochs=1, batch_size=BATCH, lr=0.05,
-                          device=device, fast_path=fast_path, seed=0)
+        stats = train_ssl(
+            method,
+            random_images(BATCH * steps),
+            epochs=1,
+            batch_size=BATCH,
+            lr=0.05,
+            device=device,
+            fast_path=fast_path,
+            seed=0,
+        )
     finally:
         convs.remove()
     return method, stats, convs, before
@@ -236,9 +249,18 @@ def layerwise_experiment(device: str) -> ExperimentConfig:
     fp32, hardware-independent), both blocks training, two local epochs of one step (270 images per client)."""
     from server_app.experiment import load_experiment
 
-    return load_experiment({"config": "configs/smoke-lwfedssl.yaml", "data.dataset": "synthetic",
-                            "data.synthetic_train": 600, "model.width": 1.0, "train.batch_size": 256,
-                            "train.local_epochs": 2, "train.fast_path": False, "train.device": device})[0]
+    return load_experiment(
+        {
+            "config": "configs/smoke-lwfedssl.yaml",
+            "data.dataset": "synthetic",
+            "data.synthetic_train": 600,
+            "model.width": 1.0,
+            "train.batch_size": 256,
+            "train.local_epochs": 2,
+            "train.fast_path": False,
+            "train.device": device,
+        }
+    )[0]
 
 
 def check_layerwise_round_accounts_memory(device: str) -> dict:
@@ -266,8 +288,11 @@ def test_the_clients_cuda_peak_memory_is_of_the_order_of_the_analytic_count():
     info = check_layerwise_round_accounts_memory("cuda")
     peak, analytic = info["cuda_peak_bytes"], info["mem_total"]
     persistent = info["mem_parameters"] + info["mem_gradients"] + info["mem_optimizer_state"]
-    figures = {k: f"{v / 2**20:.1f} MiB" for k, v in info.items()
-               if k.startswith("mem_") and k != "mem_batch" or k == "cuda_peak_bytes"}
+    figures = {
+        k: f"{v / 2**20:.1f} MiB"
+        for k, v in info.items()
+        if k.startswith("mem_") and k != "mem_batch" or k == "cuda_peak_bytes"
+    }
     assert peak >= persistent, figures  # weights, their gradients and AdamW's two moments all live on the GPU
     assert 0.5 <= peak / analytic <= 2.0, figures  # the same step, measured by the allocator and counted
 
@@ -296,12 +321,21 @@ def check_clientapp_trains_on(device: str) -> tuple[dict, dict, int]:
     cfg = ExperimentConfig.from_dict({**TINY_CLIENT, "train": {**TINY_CLIENT["train"], "device": device}})
     model = build_ssl_model(cfg, seed=123)
     arrays = state_to_numpy(split_state(model, model.shared_prefixes())[0])
-    context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                      run_config={})
+    context = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1  # as Flower sets it per task
     try:
-        message = Message(RecordDict({"arrays": to_array_record(arrays), "config": ConfigRecord({
-            "experiment": cfg.to_json(), "server-round": 1, "lr": 0.05})}), dst_node_id=5, message_type="train")
+        message = Message(
+            RecordDict(
+                {
+                    "arrays": to_array_record(arrays),
+                    "config": ConfigRecord({"experiment": cfg.to_json(), "server-round": 1, "lr": 0.05}),
+                }
+            ),
+            dst_node_id=5,
+            message_type="train",
+        )
         reply = app(message, context)
     finally:
         TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
@@ -355,8 +389,18 @@ def check_server_evaluation_on(device: str) -> tuple[dict, dict]:
     assert all(p.device.type == device for p in backbone.parameters())  # the evaluation moved the encoder there
     assert 0.0 <= scores["knn_acc"] <= 1.0 and 0.0 <= scores["linear_probe_acc"] <= 1.0
     assert scores["num_train"] == 256 and scores["num_test"] == 96
-    features = evaluate_backbone(backbone, evaluator.x_train, evaluator.y_train, evaluator.x_test, evaluator.y_test,
-                                 evaluator.num_classes, device=device, knn=False, linear=False, return_features=True)
+    features = evaluate_backbone(
+        backbone,
+        evaluator.x_train,
+        evaluator.y_train,
+        evaluator.x_test,
+        evaluator.y_test,
+        evaluator.num_classes,
+        device=device,
+        knn=False,
+        linear=False,
+        return_features=True,
+    )
     return scores, features
 
 

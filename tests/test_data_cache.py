@@ -32,12 +32,24 @@ def test_a_second_process_memory_maps_the_decoded_arrays(tmp_path, cache):
     first = datasets.load_npz(tmp_path / "d.npz")
     assert not isinstance(first.x_train, np.memmap) and int(first.x_train[0, 0, 0, 0]) == 7
     (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".tmp-")]
-    assert sorted(p.name for p in entry.iterdir()) == ["complete.json", "x_test.npy", "x_train.npy", "y_test.npy",
-                                                       "y_train.npy"]
-    code = ("import numpy as np; from ssl_models.data.datasets import load_npz; d = load_npz(r'%s'); "
-            "print(type(d.x_train).__name__, int(d.x_train.sum()), d.num_classes)" % (tmp_path / "d.npz"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, datasets.DECODED_CACHE_VARIABLE: str(cache)}).stdout.split()
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "complete.json",
+        "x_test.npy",
+        "x_train.npy",
+        "y_test.npy",
+        "y_train.npy",
+    ]
+    code = (
+        "import numpy as np; from ssl_models.data.datasets import load_npz; d = load_npz(r'%s'); "
+        "print(type(d.x_train).__name__, int(d.x_train.sum()), d.num_classes)" % (tmp_path / "d.npz")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, datasets.DECODED_CACHE_VARIABLE: str(cache)},
+    ).stdout.split()
     assert out == ["memmap", str(7 * 6 * 4 * 4 * 3), "2"]
 
 

@@ -186,8 +186,22 @@ def test_cli_and_describe(source, lossless_parts, tmp_path, capsys):
     lines = datapack.describe(lossless_parts).splitlines()
     assert len(lines) == len(lossless_parts)
     assert all(re.search(r"\d+\.\d\d MiB", line) for line in lines)
-    assert datapack.main(["pack", str(source[0]), str(tmp_path / "p"), "--part-limit-mib", "0.05",
-                          "--encoding", "jpeg:85", "--subset-per-class", "3"]) == 0
+    assert (
+        datapack.main(
+            [
+                "pack",
+                str(source[0]),
+                str(tmp_path / "p"),
+                "--part-limit-mib",
+                "0.05",
+                "--encoding",
+                "jpeg:85",
+                "--subset-per-class",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "subset 3 per class" in capsys.readouterr().out
     assert datapack.main(["unpack", str(tmp_path / "p"), str(tmp_path / "out.npz")]) == 0
     with np.load(tmp_path / "out.npz") as z:

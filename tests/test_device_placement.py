@@ -26,46 +26,71 @@ from test_server_app import MIN_LOCAL, ClientAppGrid
 
 
 def decide(requested, *, mask=None, ray=False, gpus=0, cuda=False, keep=False):
-    return decide_client_device(requested, cuda_visible_devices=mask, in_ray_worker=ray, gpus_on_machine=gpus,
-                                cuda_available=cuda, keep_ray_mask=keep, host="box-7")
+    return decide_client_device(
+        requested,
+        cuda_visible_devices=mask,
+        in_ray_worker=ray,
+        gpus_on_machine=gpus,
+        cuda_available=cuda,
+        keep_ray_mask=keep,
+        host="box-7",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the decision
-@pytest.mark.parametrize("requested, facts, device, unhide, reason", [
-    # train.device: cpu is the CPU, whatever the machine has (the process is unmasked all the same: see unhide)
-    ("cpu", {"gpus": 1, "cuda": True}, "cpu", False, "train.device: cpu"),
-    ("cpu", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "train.device: cpu"),
-    # Ray gave the client 0 GPUs on a GPU machine: unhidden, shared, and the way to schedule it named
-    ("auto", {"mask": "", "ray": True, "gpus": 1, "cuda": True}, "cuda", True, "client-resources-num-gpus=F"),
-    ("cuda", {"mask": "", "ray": True, "gpus": 2, "cuda": True}, "cuda", True, "shared by every client running at once"),
-    # ... kept hidden on request: auto trains on the CPU and says why
-    ("auto", {"mask": "", "ray": True, "gpus": 1, "keep": True}, "cpu", False, "FEDSSL_KEEP_RAY_GPU_MASK=1 keeps them hidden"),
-    # ... the unhiding came too late (CUDA started before the ClientApp's import)
-    ("auto", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "unhiding failed"),
-    # Ray scheduled a GPU for the client (client-resources-num-gpus > 0)
-    ("auto", {"mask": "0", "ray": True, "gpus": 1, "cuda": True}, "cuda", False, "Ray assigned GPU 0"),
-    # Ray's empty mask on a machine without GPUs is no hiding: the CPU, because there is no GPU
-    ("auto", {"mask": "", "ray": True, "gpus": 0}, "cpu", False, "no NVIDIA GPU on this machine"),
-    # outside Ray (a deployed SuperNode, the tests): CUDA when torch can use it
-    ("auto", {"gpus": 1, "cuda": True}, "cuda", False, "CUDA available"),
-    ("cuda:1", {"gpus": 2, "cuda": True}, "cuda:1", False, "CUDA available"),
-    ("auto", {}, "cpu", False, "no NVIDIA GPU on this machine"),
-    ("auto", {"mask": "", "gpus": 1}, "cpu", False, "CUDA_VISIBLE_DEVICES='' leaves torch no usable GPU"),
-    ("auto", {"gpus": 1}, "cpu", False, "torch cannot use CUDA"),
-])
+@pytest.mark.parametrize(
+    "requested, facts, device, unhide, reason",
+    [
+        # train.device: cpu is the CPU, whatever the machine has (the process is unmasked all the same: see unhide)
+        ("cpu", {"gpus": 1, "cuda": True}, "cpu", False, "train.device: cpu"),
+        ("cpu", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "train.device: cpu"),
+        # Ray gave the client 0 GPUs on a GPU machine: unhidden, shared, and the way to schedule it named
+        ("auto", {"mask": "", "ray": True, "gpus": 1, "cuda": True}, "cuda", True, "client-resources-num-gpus=F"),
+        (
+            "cuda",
+            {"mask": "", "ray": True, "gpus": 2, "cuda": True},
+            "cuda",
+            True,
+            "shared by every client running at once",
+        ),
+        # ... kept hidden on request: auto trains on the CPU and says why
+        (
+            "auto",
+            {"mask": "", "ray": True, "gpus": 1, "keep": True},
+            "cpu",
+            False,
+            "FEDSSL_KEEP_RAY_GPU_MASK=1 keeps them hidden",
+        ),
+        # ... the unhiding came too late (CUDA started before the ClientApp's import)
+        ("auto", {"mask": "", "ray": True, "gpus": 1}, "cpu", True, "unhiding failed"),
+        # Ray scheduled a GPU for the client (client-resources-num-gpus > 0)
+        ("auto", {"mask": "0", "ray": True, "gpus": 1, "cuda": True}, "cuda", False, "Ray assigned GPU 0"),
+        # Ray's empty mask on a machine without GPUs is no hiding: the CPU, because there is no GPU
+        ("auto", {"mask": "", "ray": True, "gpus": 0}, "cpu", False, "no NVIDIA GPU on this machine"),
+        # outside Ray (a deployed SuperNode, the tests): CUDA when torch can use it
+        ("auto", {"gpus": 1, "cuda": True}, "cuda", False, "CUDA available"),
+        ("cuda:1", {"gpus": 2, "cuda": True}, "cuda:1", False, "CUDA available"),
+        ("auto", {}, "cpu", False, "no NVIDIA GPU on this machine"),
+        ("auto", {"mask": "", "gpus": 1}, "cpu", False, "CUDA_VISIBLE_DEVICES='' leaves torch no usable GPU"),
+        ("auto", {"gpus": 1}, "cpu", False, "torch cannot use CUDA"),
+    ],
+)
 def test_the_decision_table(requested, facts, device, unhide, reason):
     decided = decide(requested, **facts)
     assert (decided.device, decided.unhide) == (device, unhide)
     assert reason in decided.reason
 
 
-@pytest.mark.parametrize("facts, cause", [
-    ({}, "no NVIDIA GPU on this machine"),
-    ({"mask": "", "ray": True, "gpus": 1, "keep": True}, "CUDA_VISIBLE_DEVICES='') and FEDSSL_KEEP_RAY_GPU_MASK=1"),
-    ({"mask": "", "ray": True, "gpus": 1}, "Ray hid the machine's 1 GPU (0 GPUs per client) and unhiding failed"),
-    ({"mask": "7", "gpus": 1}, "CUDA_VISIBLE_DEVICES='7' leaves torch no usable GPU of the machine's 1 GPU"),
-    ({"gpus": 2}, "the machine has 2 GPUs but torch cannot use CUDA"),
-])
+@pytest.mark.parametrize(
+    "facts, cause",
+    [
+        ({}, "no NVIDIA GPU on this machine"),
+        ({"mask": "", "ray": True, "gpus": 1, "keep": True}, "CUDA_VISIBLE_DEVICES='') and FEDSSL_KEEP_RAY_GPU_MASK=1"),
+        ({"mask": "", "ray": True, "gpus": 1}, "Ray hid the machine's 1 GPU (0 GPUs per client) and unhiding failed"),
+        ({"mask": "7", "gpus": 1}, "CUDA_VISIBLE_DEVICES='7' leaves torch no usable GPU of the machine's 1 GPU"),
+        ({"gpus": 2}, "the machine has 2 GPUs but torch cannot use CUDA"),
+    ],
+)
 @pytest.mark.parametrize("requested", ["cuda", "cuda:0"])
 def test_cuda_without_a_usable_gpu_fails_naming_the_setting_the_machine_and_the_cause(requested, facts, cause):
     with pytest.raises(DevicePlacementError) as caught:
@@ -81,14 +106,17 @@ def test_an_unknown_device_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- Ray's mask removed
-@pytest.mark.parametrize("env, gpus, removed", [
-    ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": ""}, 1, True),
-    ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "", "FEDSSL_KEEP_RAY_GPU_MASK": "1"}, 1, False),
-    ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "", "FEDSSL_KEEP_RAY_GPU_MASK": "0"}, 1, True),
-    ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "0"}, 1, False),  # Ray assigned a GPU: its mask stays
-    ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": ""}, 0, False),  # no GPU to unhide
-    ({"CUDA_VISIBLE_DEVICES": ""}, 1, False),  # not a Ray worker: the user's own mask stays
-])
+@pytest.mark.parametrize(
+    "env, gpus, removed",
+    [
+        ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": ""}, 1, True),
+        ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "", "FEDSSL_KEEP_RAY_GPU_MASK": "1"}, 1, False),
+        ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "", "FEDSSL_KEEP_RAY_GPU_MASK": "0"}, 1, True),
+        ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": "0"}, 1, False),  # Ray assigned a GPU: its mask stays
+        ({"RAY_RAYLET_PID": "1", "CUDA_VISIBLE_DEVICES": ""}, 0, False),  # no GPU to unhide
+        ({"CUDA_VISIBLE_DEVICES": ""}, 1, False),  # not a Ray worker: the user's own mask stays
+    ],
+)
 def test_rays_empty_mask_is_removed_from_the_environment(monkeypatch, env, gpus, removed):
     for key in ("RAY_RAYLET_PID", "CUDA_VISIBLE_DEVICES", "FEDSSL_KEEP_RAY_GPU_MASK"):
         monkeypatch.delenv(key, raising=False)
@@ -136,8 +164,9 @@ assert all(mask is None for _, mask in seen), seen
 print("calls before the first message:", seen)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "FEDSSL_KEEP_RAY_GPU_MASK")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -156,10 +185,13 @@ def test_a_client_asked_for_cuda_without_a_gpu_fails_the_round_naming_why(task_i
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(placement, "physical_gpu_count", lambda *args: 0)
     cfg = ExperimentConfig.from_dict({**TINY, "train": {**TINY["train"], "device": "cuda"}})
-    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})
-    with pytest.raises(DevicePlacementError, match="train.device: cuda but this client cannot use a GPU on .*: no "
-                                                   "NVIDIA GPU on this machine"):
+    ctx = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
+    with pytest.raises(
+        DevicePlacementError,
+        match="train.device: cuda but this client cannot use a GPU on .*: no NVIDIA GPU on this machine",
+    ):
         client_app(train_message(cfg, 1), ctx)
 
 
@@ -179,12 +211,19 @@ def test_the_server_never_falls_back_to_the_cpu_for_cuda(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- the launchers' share
-@pytest.mark.parametrize("num_clients, gpus, share", [
-    (2, 1, 0.5), (10, 1, 0.25), (4, 1, 0.25), (1, 1, 1.0), (3, 1, 0.3333),
-    (3, 2, 0.5),  # 2 per GPU: all three at once (2/3 each would fit only one client per GPU)
-    (2, 8, 1.0),  # a whole GPU each
-    (None, 1, 0.25),  # a count not known: the most clients per GPU
-])
+@pytest.mark.parametrize(
+    "num_clients, gpus, share",
+    [
+        (2, 1, 0.5),
+        (10, 1, 0.25),
+        (4, 1, 0.25),
+        (1, 1, 1.0),
+        (3, 1, 0.3333),
+        (3, 2, 0.5),  # 2 per GPU: all three at once (2/3 each would fit only one client per GPU)
+        (2, 8, 1.0),  # a whole GPU each
+        (None, 1, 0.25),  # a count not known: the most clients per GPU
+    ],
+)
 def test_gpu_share(num_clients, gpus, share):
     assert launcher.gpu_share(num_clients, gpus) == share
     assert launcher.gpu_share(num_clients, gpus) * launcher.MAX_CLIENTS_PER_GPU >= 1 - 1e-3  # never more than 4
@@ -203,10 +242,13 @@ class FakeCompleted:
     returncode, stdout, stderr = 0, '{"success": true, "run-id": 7}', ""
 
 
-@pytest.mark.parametrize("gpus, expected", [
-    (0, "num-supernodes=2 client-resources-num-cpus=1"),
-    (1, "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.5"),
-])
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        (0, "num-supernodes=2 client-resources-num-cpus=1"),
+        (1, "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.5"),
+    ],
+)
 def test_the_study_launcher_gives_its_simulation_a_gpu_share_on_a_gpu_machine(tmp_path, monkeypatch, gpus, expected):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(launcher, "physical_gpu_count", lambda *args: gpus)
@@ -227,8 +269,9 @@ def test_the_study_launcher_gives_its_simulation_a_gpu_share_on_a_gpu_machine(tm
     assert args[args.index("--federation-config") + 1] == "num-supernodes=2 client-resources-num-cpus=1"
 
 
-@pytest.mark.parametrize("gpus, expected", [(0, "num-supernodes=3"),
-                                            (1, "num-supernodes=3 client-resources-num-gpus=0.3333")])
+@pytest.mark.parametrize(
+    "gpus, expected", [(0, "num-supernodes=3"), (1, "num-supernodes=3 client-resources-num-gpus=0.3333")]
+)
 def test_run_experiment_and_the_tests_runs_get_the_share_through_flwr_run(tmp_path, monkeypatch, gpus, expected):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(launcher, "physical_gpu_count", lambda *args: gpus)
@@ -255,7 +298,8 @@ def test_fedssl_run_adds_a_share_for_a_local_simulation_on_a_gpu_machine(tmp_pat
     (tmp_path / "flwr-home").mkdir()
     (tmp_path / "flwr-home" / "config.toml").write_text(
         '[superlink]\ndefault = "local"\n[superlink.local]\naddress = ":local:"\n'
-        '[superlink.site]\naddress = "10.0.0.5:9093"\n')
+        '[superlink.site]\naddress = "10.0.0.5:9093"\n'
+    )
     assert launcher.flwr_run_args_with_gpu_share(args, 2)[1] == "client-resources-num-gpus=0.5"
     remote = [".", "site", "--run-config", "seed=1"]  # a deployed federation: its SuperNodes place their clients
     assert launcher.flwr_run_args_with_gpu_share(remote, 2) == (remote, None)
@@ -273,21 +317,38 @@ def test_a_cpu_round_on_a_gpu_machine_shows_in_metrics_progress_and_summary(tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(results_module.ResultsWriter, "plot", lambda self, title: None)
     config = tmp_path / "cfg.yaml"
-    config.write_text(yaml.safe_dump({**MIN_LOCAL, "name": "devices", "rounds": 1, "strategy": {"name": "fedssl"},
-                                      "train": {**MIN_LOCAL["train"], "device": "auto"},
-                                      "eval": {**MIN_LOCAL["eval"], "linear_probe": False,
-                                               "random_init_reference": False}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **MIN_LOCAL,
+                "name": "devices",
+                "rounds": 1,
+                "strategy": {"name": "fedssl"},
+                "train": {**MIN_LOCAL["train"], "device": "auto"},
+                "eval": {**MIN_LOCAL["eval"], "linear_probe": False, "random_init_reference": False},
+            }
+        )
+    )
     out = tmp_path / "out"
-    server_module.main(ClientAppGrid(2), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                                 run_config={"config": str(config), "output-dir": str(out)}))
+    server_module.main(
+        ClientAppGrid(2),
+        Context(
+            run_id=1,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config={"config": str(config), "output-dir": str(out)},
+        ),
+    )
     [line] = [json.loads(text) for text in (out / "metrics.jsonl").read_text().splitlines()]
     assert sorted(c["id"] for c in line["clients"]) == [0, 1]
     for client in line["clients"]:
         assert client["device"] == "cpu" and client["gpus_on_machine"] == 2
         assert client["device_reason"].startswith("the machine has 2 GPUs but torch cannot use CUDA")
     round_line = next(t for t in (out / "progress.log").read_text().splitlines() if "round 1/1" in t)
-    assert round_line.endswith("2 clients ok | on cpu (the CPU of a machine with a GPU: device_reason in "
-                               "metrics.jsonl says why)")
+    assert round_line.endswith(
+        "2 clients ok | on cpu (the CPU of a machine with a GPU: device_reason in metrics.jsonl says why)"
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["client_devices"] == {"cpu": 2} and summary["cpu_despite_gpu"] is True
 
@@ -297,7 +358,9 @@ def test_the_device_summary_over_a_runs_rounds():
     cpu_box = {"device": "cpu", "gpus_on_machine": 0}
     rounds = [{"clients": [gpu, gpu]}, {"clients": [gpu, cpu_box]}, {"clients": []}, {}]
     assert results_module.client_device_summary(rounds) == {
-        "client_devices": {"cpu": 1, "cuda:0 (NVIDIA H100 80GB HBM3)": 3}, "cpu_despite_gpu": False}
+        "client_devices": {"cpu": 1, "cuda:0 (NVIDIA H100 80GB HBM3)": 3},
+        "cpu_despite_gpu": False,
+    }
     cpu_on_gpu_box = {"device": "cpu", "gpus_on_machine": 1}
     assert results_module.client_device_summary([{"clients": [gpu, cpu_on_gpu_box]}])["cpu_despite_gpu"] is True
     assert results_module.devices_note([gpu, gpu]) == " | on cuda:0 (NVIDIA H100 80GB HBM3)"

@@ -116,7 +116,15 @@ def test_loss_is_float32_under_autocast_and_checks_shapes() -> None:
 # ---------------------------------------------------------------------------------------------- distill
 NUM_PUBLIC = 24
 # fp32 (fast_path=False) keeps these runs exact and quick on small CPUs; the fast path has its own test below
-DISTILL_KWARGS = {"batch_size": 8, "queue_size": 32, "momentum": 0.75, "temperature": 0.1, "lr": 1e-2, "seed": 3, "fast_path": False}
+DISTILL_KWARGS = {
+    "batch_size": 8,
+    "queue_size": 32,
+    "momentum": 0.75,
+    "temperature": 0.1,
+    "lr": 1e-2,
+    "seed": 3,
+    "fast_path": False,
+}
 
 
 def _tiny_method() -> torch.nn.Module:

@@ -67,11 +67,18 @@ def images(tmp_path_factory):
     t0 = time.monotonic()
     try:
         built = ensure_images()
-        RECORD.update(engine="started by the test" if engine.started_here else "already running",
-                      flwr_images=built.flwr, torch=built.torch, image_sizes_mb=built.sizes_mb,
-                      build_s=built.timings_s, images_s=time.monotonic() - t0)
-        print(f"\nFlower images: {built.flwr}; app image {built.app}: {built.torch}; sizes MB {built.sizes_mb}; "
-              f"build s {built.timings_s}")
+        RECORD.update(
+            engine="started by the test" if engine.started_here else "already running",
+            flwr_images=built.flwr,
+            torch=built.torch,
+            image_sizes_mb=built.sizes_mb,
+            build_s=built.timings_s,
+            images_s=time.monotonic() - t0,
+        )
+        print(
+            f"\nFlower images: {built.flwr}; app image {built.app}: {built.torch}; sizes MB {built.sizes_mb}; "
+            f"build s {built.timings_s}"
+        )
         yield built
     finally:
         try:
@@ -121,10 +128,12 @@ def test_one_host_tls_compose(images, tmp_path):
     try:
         one.up()
         # Only the secret files each container uses; the CA's private key in none.
-        expected = {"superlink": ["ca.crt", "server.key", "server.pem", "superexec.secret"],
-                    "superexec-serverapp": ["ca.crt", "superexec.secret"],
-                    "supernode-1": ["ca.crt", "superexec.secret", "supernode.key"],
-                    "superexec-clientapp-1": ["superexec.secret"]}
+        expected = {
+            "superlink": ["ca.crt", "server.key", "server.pem", "superexec.secret"],
+            "superexec-serverapp": ["ca.crt", "superexec.secret"],
+            "supernode-1": ["ca.crt", "superexec.secret", "supernode.key"],
+            "superexec-clientapp-1": ["superexec.secret"],
+        }
         for service, files in expected.items():
             assert mounted_secrets(project, service) == files, service
 
@@ -159,8 +168,14 @@ def host_address() -> str:
     out = sh("docker", "network", "inspect", "bridge", "--format", "{{range .IPAM.Config}}{{.Gateway}} {{end}}").stdout
     ips = [ip for ip in out.split() if "." in ip]
     if not ips:  # engines that leave the gateway out of IPAM: the docker0 interface
-        ips = [subprocess.run(["sh", "-c", "ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1"],
-                              capture_output=True, text=True, check=False).stdout.strip()]
+        ips = [
+            subprocess.run(
+                ["sh", "-c", "ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+        ]
     assert ips and ips[0], "no address of the default bridge network"
     return ips[0]
 
@@ -178,9 +193,18 @@ def test_separate_machines_node_refused_stopped_and_back(images, tmp_path):
         d.mkdir()
     chown_app(outputs, sl_state, server_secrets / "server.key", server_secrets / "superexec.secret")
     data_dir = cifar10_npz().parent
-    server = Project(f"{TAG}-server", [server_dir / "compose.yml"],
-                     {"SECRETS_DIR": str(server_secrets), "OUTPUT_DIR": str(outputs), "DATA_DIR": str(data_dir),
-                      "SUPERLINK_STATE_DIR": str(sl_state), "SUPERLINK_PORT": str(port)}, cwd=server_dir)
+    server = Project(
+        f"{TAG}-server",
+        [server_dir / "compose.yml"],
+        {
+            "SECRETS_DIR": str(server_secrets),
+            "OUTPUT_DIR": str(outputs),
+            "DATA_DIR": str(data_dir),
+            "SUPERLINK_STATE_DIR": str(sl_state),
+            "SUPERLINK_PORT": str(port),
+        },
+        cwd=server_dir,
+    )
     cli = Cli(tmp_path / "cli", "fed", f"127.0.0.1:{port}", server_secrets / "ca.crt")
 
     def client(name: str, partition: int, data: Path, node_config: str = "") -> Project:
@@ -190,14 +214,27 @@ def test_separate_machines_node_refused_stopped_and_back(images, tmp_path):
             shutil.copy(server_secrets / "ca.crt", secrets / "ca.crt")  # the operator hands out the CA
             state.mkdir(parents=True)
             chown_app(state, secrets / "supernode.key", secrets / "superexec.secret")
-        return Project(f"{TAG}-{name}", [client_dir / "compose.yml"],
-                       {"SUPERLINK_ADDRESS": f"{host}:{port}", "PARTITION_ID": str(partition), "NUM_PARTITIONS": "2",
-                        "SECRETS_DIR": str(secrets), "DATA_DIR": str(data), "STATE_DIR": str(state),
-                        "NODE_CONFIG": node_config, "OMP_NUM_THREADS": str(THREADS)}, cwd=client_dir)
+        return Project(
+            f"{TAG}-{name}",
+            [client_dir / "compose.yml"],
+            {
+                "SUPERLINK_ADDRESS": f"{host}:{port}",
+                "PARTITION_ID": str(partition),
+                "NUM_PARTITIONS": "2",
+                "SECRETS_DIR": str(secrets),
+                "DATA_DIR": str(data),
+                "STATE_DIR": str(state),
+                "NODE_CONFIG": node_config,
+                "OMP_NUM_THREADS": str(THREADS),
+            },
+            cwd=client_dir,
+        )
 
     site = write_own_data(tmp_path / "site-2" / "site-2.npz", num_train=96)
-    clients = {"client-1": client("client-1", 0, data_dir),
-               "client-2": client("client-2", 1, site.parent, "data-path='/data/site-2.npz'")}
+    clients = {
+        "client-1": client("client-1", 0, data_dir),
+        "client-2": client("client-2", 1, site.parent, "data-path='/data/site-2.npz'"),
+    }
     rogue = client("rogue", 1, data_dir)
     projects = [server, *clients.values(), rogue]
     run = None
@@ -211,20 +248,26 @@ def test_separate_machines_node_refused_stopped_and_back(images, tmp_path):
         # restarts it until its key is registered.
         refused = rogue("run", "--rm", "--no-deps", "supernode", timeout=300, check=False)
         RECORD["unregistered_exit_status"] = refused.returncode
-        assert refused.returncode == 1 and "Failed to activate SuperNode" in refused.stdout + refused.stderr, \
-            (refused.returncode, (refused.stdout + refused.stderr)[-3000:])
+        assert refused.returncode == 1 and "Failed to activate SuperNode" in refused.stdout + refused.stderr, (
+            refused.returncode,
+            (refused.stdout + refused.stderr)[-3000:],
+        )
         rogue.down()
 
         for project in clients.values():
             project.up()
         log = tmp_path / "run.log"
         rounds = 3
-        run = cli.run(f"config='configs/smoke.yaml' rounds={rounds} data.path='/data/{cifar10_npz().name}' "
-                      "federation.round_timeout_s=300 federation.node_wait_s=300", log)
+        run = cli.run(
+            f"config='configs/smoke.yaml' rounds={rounds} data.path='/data/{cifar10_npz().name}' "
+            "federation.round_timeout_s=300 federation.node_wait_s=300",
+            log,
+        )
         wait_for(lambda: progress_line(outputs, f"round 1/{rounds}"), 600, "round 1 to finish", run, log)
         clients["client-2"]("stop", "--timeout", "1")  # both containers of client machine 2
-        round2 = wait_for(lambda: progress_line(outputs, f"round 2/{rounds}"), 600,
-                          "round 2 to finish without client 2", run, log)
+        round2 = wait_for(
+            lambda: progress_line(outputs, f"round 2/{rounds}"), 600, "round 2 to finish without client 2", run, log
+        )
         clients["client-2"]("start")
         run.wait(timeout=900)
         text = log.read_text()

@@ -29,8 +29,9 @@ def quick_retries(monkeypatch):
 class FakeGrid:
     """Node 7 answers; node 9 is unavailable for its first ``down`` queries, then answers."""
 
-    def __init__(self, down: int, error_code: int = NODE_UNAVAILABLE_CODE,
-                 reason: str = "Error: Node Unavailable — no heartbeat"):
+    def __init__(
+        self, down: int, error_code: int = NODE_UNAVAILABLE_CODE, reason: str = "Error: Node Unavailable — no heartbeat"
+    ):
         self.down, self.asked, self.code, self.reason = down, [], error_code, reason
 
     def send_and_receive(self, messages, timeout):
@@ -39,13 +40,21 @@ class FakeGrid:
             node = m.metadata.dst_node_id
             self.asked.append(node)
             if node == 9 and self.asked.count(9) <= self.down:
-                out.append(SimpleNamespace(has_error=lambda: True, metadata=SimpleNamespace(
-                    reply_to_message_id="?", src_node_id=9), error=SimpleNamespace(
-                    code=self.code, reason=self.reason)))
+                out.append(
+                    SimpleNamespace(
+                        has_error=lambda: True,
+                        metadata=SimpleNamespace(reply_to_message_id="?", src_node_id=9),
+                        error=SimpleNamespace(code=self.code, reason=self.reason),
+                    )
+                )
             else:
-                out.append(SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node),
-                                           content=Content(metrics={"partition-id": int(node == 9),
-                                                                    "num-partitions": 2})))
+                out.append(
+                    SimpleNamespace(
+                        has_error=lambda: False,
+                        metadata=SimpleNamespace(src_node_id=node),
+                        content=Content(metrics={"partition-id": int(node == 9), "num-partitions": 2}),
+                    )
+                )
         return out
 
 

@@ -28,16 +28,23 @@ def test_the_docs_site_builds_strict(tmp_path):
     mkdocs = Path(sys.executable).parent / "mkdocs"
     if not mkdocs.exists() and shutil.which("mkdocs") is None:
         pytest.fail("mkdocs is not installed: `pip install -e '.[test]'` installs it")
-    proc = subprocess.run([str(mkdocs) if mkdocs.exists() else "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [str(mkdocs) if mkdocs.exists() else "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "methods" / "heterossfl" / "index.html").is_file()
 
 
 def test_the_configuration_reference_is_generated_from_the_code():
     gen = load_script(REPO / "docs" / "gen_reference.py")
-    assert (REPO / "docs" / "reference" / "configuration.md").read_text() == gen.generate(), \
+    assert (REPO / "docs" / "reference" / "configuration.md").read_text() == gen.generate(), (
         "docs/reference/configuration.md is stale: run python docs/gen_reference.py"
+    )
 
 
 def test_a_field_without_a_comment_fails_the_reference(monkeypatch):
@@ -64,9 +71,12 @@ def test_the_readme_is_short_and_its_results_block_is_generated():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) < 250
     gen = load_script(REPO / "docs" / "gen_results.py")
-    assert gen.readme_with_results(readme) == readme, "README.md's results block is stale: run python docs/gen_results.py"
-    assert gen.STUDIES_PAGE.read_text() == gen.studies_page(), \
+    assert gen.readme_with_results(readme) == readme, (
+        "README.md's results block is stale: run python docs/gen_results.py"
+    )
+    assert gen.STUDIES_PAGE.read_text() == gen.studies_page(), (
         "benchmarks/results/cpu_studies.md is stale: run python docs/gen_results.py"
+    )
 
 
 def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, monkeypatch):
@@ -77,11 +87,13 @@ def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, mo
     (study / "report.csv").write_text(
         "row,kind,arch,seeds,linear_probe_mean,linear_probe_std,knn_mean,knn_std,linear_probe_gain_mean,"
         "linear_probe_gain_std\nrandom init,random init,,0 1,30.0,1.0,25.0,1.0,,\n"
-        "FLESD,variant,,0 1,41.25,0.5,35.0,0.2,11.25,0.5\n")
+        "FLESD,variant,,0 1,41.25,0.5,35.0,0.2,11.25,0.5\n"
+    )
     (study / "report.md").write_text(
         "Command: `fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /tmp/o --reuse /some/where/sweep/`\n"
         "<!-- --8<-- [start:scale] -->\nScale: tiny.\n<!-- --8<-- [end:scale] -->\n"
-        "<!-- --8<-- [start:table] -->\n| row |\n|---|\n| FLESD |\n<!-- --8<-- [end:table] -->\n")
+        "<!-- --8<-- [start:table] -->\n| row |\n|---|\n| FLESD |\n<!-- --8<-- [end:table] -->\n"
+    )
     monkeypatch.setattr(gen, "PUBLISHED", tmp_path / "published")
     out = gen.publish(study)
     assert "data.path=c.npz --reuse sweep`" in (out / "report.md").read_text()
@@ -114,10 +126,16 @@ def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(t
         summary["provenance"] = {"note": "code loaded from /some/where/checkout/client_app"}
         (study / "runs" / f"a-seed{seed}" / "summary.json").write_text(json.dumps(summary))
     (study / "runs" / "b-seed0").mkdir(parents=True)  # unfinished: not published
-    (study / "study.yaml").write_text(yaml.safe_dump({
-        "study": "flesd-cpu", "file": "/some/where/checkout/configs/studies/cpu/flesd.yaml",
-        "command": "fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /some/where/o",
-        "variants": {"A": {}, "B": {}}}))
+    (study / "study.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "study": "flesd-cpu",
+                "file": "/some/where/checkout/configs/studies/cpu/flesd.yaml",
+                "command": "fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /some/where/o",
+                "variants": {"A": {}, "B": {}},
+            }
+        )
+    )
     report_study(study)
     monkeypatch.setattr(gen, "PUBLISHED", tmp_path / "published")
     out = gen.publish(study)
@@ -138,6 +156,5 @@ def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(t
 def test_nothing_cites_the_developers_paper_digest():
     digest = "papers" + ".md"  # spelled apart, so this file does not cite it either
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    citing = [f for f in files if (REPO / f).is_file()
-              and digest in (REPO / f).read_text(errors="ignore")]
+    citing = [f for f in files if (REPO / f).is_file() and digest in (REPO / f).read_text(errors="ignore")]
     assert citing == [], citing

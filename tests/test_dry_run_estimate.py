@@ -25,8 +25,10 @@ def publish(root: Path, name: str, rows: str, machine: str = "Some CPU, 2 cores"
 @pytest.fixture()
 def study(tmp_path):
     path = tmp_path / "study.yaml"
-    path.write_text(f"study: tiny\nbase: {REPO / 'configs' / 'smoke.yaml'}\nseeds: [0, 1]\n"
-                    "variants:\n  A: {}\n  B: {train.local_epochs: 2}\n")
+    path.write_text(
+        f"study: tiny\nbase: {REPO / 'configs' / 'smoke.yaml'}\nseeds: [0, 1]\n"
+        "variants:\n  A: {}\n  B: {train.local_epochs: 2}\n"
+    )
     return load_study(path, {"data.dataset": "synthetic"})
 
 
@@ -67,8 +69,19 @@ def test_dry_run_prints_each_run_the_total_and_the_start_up(capsys, tmp_path):
 
     with (PUBLISHED / "flesd-cpu" / "report.csv").open() as fh:
         measured = {row["row"]: float(row["run_s_mean"]) for row in csv.DictReader(fh) if row["run_s_mean"]}
-    code = study_main(["run", str(REPO / "configs" / "studies" / "cpu" / "flesd.yaml"), "--dry-run", "--set",
-                       "data.dataset=synthetic", "--set", "data.synthetic_train=3000", "--out", str(tmp_path / "out")])
+    code = study_main(
+        [
+            "run",
+            str(REPO / "configs" / "studies" / "cpu" / "flesd.yaml"),
+            "--dry-run",
+            "--set",
+            "data.dataset=synthetic",
+            "--set",
+            "data.synthetic_train=3000",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert f"FLESD (T=2), seed 0: to run, about {clock(measured['FLESD (T=2)'])}" in out

@@ -41,7 +41,7 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
             assert c["precision"] in ("fp32", "bf16")  # what its steps ran in (a CPU: no fp16)
             # where it trained: the CPU here; on a GPU machine the GPU that flwr_run's share made Ray assign it
             assert c["gpus_on_machine"] == gpus and c["device_reason"], c
-            assert (c["device"].startswith("cuda:") if gpus else c["device"] == "cpu"), c
+            assert c["device"].startswith("cuda:") if gpus else c["device"] == "cpu", c
             t = c["timeline_s"]
             assert t["import_start"] <= t["app_imported"]
             assert 0 <= t["handler_start"] <= t["reply_ready"] <= t["received"]
@@ -52,13 +52,18 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     # The random-init reference of the run's architecture, and the gains over it.
     rand = summary["random_init"]["resnet18"]
     assert 0 <= rand["linear_probe_acc"] <= 1 and 0 <= rand["knn_acc"] <= 1
-    assert summary["linear_probe_gain_over_random"] == pytest.approx(summary["linear_probe_acc"] - rand["linear_probe_acc"])
+    assert summary["linear_probe_gain_over_random"] == pytest.approx(
+        summary["linear_probe_acc"] - rand["linear_probe_acc"]
+    )
     assert summary["knn_gain_over_random"] == pytest.approx(summary["knn_acc"] - rand["knn_acc"])
     assert "gain over random init: linear probe" in (out / "progress.log").read_text().splitlines()[-1]
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in rounds)
     assert summary["cpu_despite_gpu"] is False and sum(summary["client_devices"].values()) == 4  # 2 clients x 2 rounds
-    assert (all(d.startswith("cuda:") for d in summary["client_devices"]) if gpus
-            else summary["client_devices"] == {"cpu": 4})
+    assert (
+        all(d.startswith("cuda:") for d in summary["client_devices"])
+        if gpus
+        else summary["client_devices"] == {"cpu": 4}
+    )
     # Resources per client and run: each client's per-step FLOPs are those of the run's model counted here
     # independently, and the run's FLOPs are per-sample FLOPs x images trained, summed over clients and rounds.
     res = summary["resources"]
@@ -68,12 +73,18 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
         assert mine["rounds"] == 2 and mine["flops_total_max"] == pytest.approx(expected_flops, rel=1e-9)
         assert mine["bytes_up"] == sum(c["bytes_up"] for r in rounds for c in r["clients"] if c["id"] == int(pid))
         assert mine["mem_total_max"] > mine["mem_activations_max"] > 0 and mine["rss_peak_bytes_max"] > 2**20
-        assert mine["images_trained"] == sum(c["images_trained"] for r in rounds for c in r["clients"]
-                                             if c["id"] == int(pid)) > 0
-    assert res["run"]["flops_run"] == pytest.approx(expected_flops * sum(m["images_trained"]
-                                                                         for m in res["per_client"].values()))
-    assert (res["run"]["bytes_up"], res["run"]["bytes_down"]) == (summary["bytes_up_total"],
-                                                                  summary["bytes_down_total"])
+        assert (
+            mine["images_trained"]
+            == sum(c["images_trained"] for r in rounds for c in r["clients"] if c["id"] == int(pid))
+            > 0
+        )
+    assert res["run"]["flops_run"] == pytest.approx(
+        expected_flops * sum(m["images_trained"] for m in res["per_client"].values())
+    )
+    assert (res["run"]["bytes_up"], res["run"]["bytes_down"]) == (
+        summary["bytes_up_total"],
+        summary["bytes_down_total"],
+    )
     assert (out / "model.pt").stat().st_size > 0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round 2/2" in (out / "progress.log").read_text()
@@ -88,17 +99,44 @@ def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_pat
     script = Path(sys.executable).parent / "fedssl-eval"  # the installed console script
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ssl_models.evaluation.cli"]
     # Same model, same data file, the protocol recorded in model.pt: the run's own numbers, exactly.
-    ev = subprocess.run(cmd + [str(out / "model.pt"), str(npz), "--export-features", str(feats)],
-                        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    ev = subprocess.run(
+        cmd + [str(out / "model.pt"), str(npz), "--export-features", str(feats)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     line = json.loads(ev.stdout.strip().splitlines()[-1])
     assert line["protocol"]["source"] == "checkpoint" and line["num_train"] == summary["eval"]["num_train"]
     assert (line["knn_acc"], line["linear_probe_acc"]) == (summary["knn_acc"], summary["linear_probe_acc"])
     assert feats.is_file()
     # And the random-init reference for the same data: --random-init with the run's architecture and seed.
-    ev = subprocess.run(cmd + ["--random-init", "resnet18", "--width", "0.125", "--init-seed", "0", str(npz),
-                               "--max-train", "400", "--max-test", "200", "--probe-epochs", "20", "--no-linear"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    ev = subprocess.run(
+        cmd
+        + [
+            "--random-init",
+            "resnet18",
+            "--width",
+            "0.125",
+            "--init-seed",
+            "0",
+            str(npz),
+            "--max-train",
+            "400",
+            "--max-test",
+            "200",
+            "--probe-epochs",
+            "20",
+            "--no-linear",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads(ev.stdout.strip().splitlines()[-1])["random_init"] is True
 
@@ -116,8 +154,11 @@ def smoke_step_flops(config: dict) -> float:
 
 def test_client_count_mismatch_stops_with_instructions(tmp_path):
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke.yaml' output-dir='{out}' data.dataset='synthetic'", tmp_path / "flwr",
-                    federation_config="num-supernodes=3")
+    proc = flwr_run(
+        f"config='configs/smoke.yaml' output-dir='{out}' data.dataset='synthetic'",
+        tmp_path / "flwr",
+        federation_config="num-supernodes=3",
+    )
     progress = (out / "progress.log").read_text()
     assert "federation.num_clients=2" in progress and "num-supernodes=2" in progress, proc.stdout[-3000:]
     assert not (out / "summary.json").exists()
@@ -176,8 +217,9 @@ def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):
 
 def test_central_strategy_trains_one_client_on_the_union(tmp_path):
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke.yaml' strategy.name='central' output-dir='{out}' {data_overrides()}",
-                    tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke.yaml' strategy.name='central' output-dir='{out}' {data_overrides()}", tmp_path / "flwr"
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     summary = json.loads((out / "summary.json").read_text())

@@ -39,8 +39,10 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
         assert r["kbar_clients"] == 2 and 2 * kernel_bytes <= r["bytes_down"] < 2 * kernel_bytes + 4096
         # Every client aligned, with the term recomputed at every step (one local epoch: more than one refresh), and
         # logs its kernel's norm.
-        assert all(c["aligned"] == 1.0 and c["refreshes"] > 1 and 0 <= c["cka_start"] <= 1
-                   and c["kernel_norm"] > 0 for c in r["clients"])
+        assert all(
+            c["aligned"] == 1.0 and c["refreshes"] > 1 and 0 <= c["cka_start"] <= 1 and c["kernel_norm"] > 0
+            for c in r["clients"]
+        )
     # Round 1's bytes up include the initial kernels the server asked for before it (one per client).
     assert rounds[0]["initial_kernel_clients"] == 2 and set(rounds[0]["initial_kernel_norms"]) == {"0", "1"}
     assert rounds[0]["bytes_up"] == rounds[0]["kernel_bytes_up"] + rounds[0]["initial_kernel_bytes_up"]
@@ -48,8 +50,9 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     # With the default (the term recomputed at every step), local training does not pull the clients away from
     # K_bar: the aligned clients' mean CKA to K_bar after the last round's training is not below its value before.
     last = rounds[-1]["clients"]
-    assert sum(c["cka_end"] for c in last) >= sum(c["cka_start"] for c in last), \
-        [(c["cka_start"], c["cka_end"]) for c in last]
+    assert sum(c["cka_end"] for c in last) >= sum(c["cka_start"] for c in last), [
+        (c["cka_start"], c["cka_end"]) for c in last
+    ]
     # The encoders travel only for evaluation (round 2 = last round), counted apart from the round's bytes.
     assert "eval_bytes_up" not in rounds[0] and rounds[1]["eval_bytes_up"] > 0 and rounds[1]["eval_clients"] == 2
     assert set(rounds[1]["knn_acc_by_model"]) == {"client_0", "client_1"}
@@ -64,8 +67,12 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     assert 0 < run_res["flops_extra_run"] < run_res["flops_run"]
     assert sum(c["flops_extra"] for r in rounds for c in r["clients"]) == pytest.approx(run_res["flops_extra_run"])
     # Training moved the clients: the loss of round 2 is below round 1's for both.
-    assert all(second["loss"] < first["loss"] for first, second in
-               zip(sorted(rounds[0]["clients"], key=lambda c: c["id"]), sorted(rounds[1]["clients"], key=lambda c: c["id"])))
+    assert all(
+        second["loss"] < first["loss"]
+        for first, second in zip(
+            sorted(rounds[0]["clients"], key=lambda c: c["id"]), sorted(rounds[1]["clients"], key=lambda c: c["id"])
+        )
+    )
 
     # The payload is what it claims to be: the kernel the server stored from client 1 in the last round equals
     # K = A A^T / ||H A A^T H||_F (kernel_normalization: frobenius, the default) computed here, independently, from
@@ -99,10 +106,32 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     assert (out / "model_client_0.pt").is_file() and (out / "model_client_1.pt").is_file()
     if npz is None:
         skip_unless_required("the fedssl-eval part needs the CIFAR-10 dev npz")
-    ev = subprocess.run([sys.executable, "-m", "ssl_models.evaluation.cli", str(out / "model_client_1.pt"), str(npz),
-                         "--max-train", "200", "--max-test", "100", "--probe-epochs", "2", "--semi-supervised", "0.1",
-                         "--semi-epochs", "1", "--semi-mode", "head"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300, check=False)
+    ev = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ssl_models.evaluation.cli",
+            str(out / "model_client_1.pt"),
+            str(npz),
+            "--max-train",
+            "200",
+            "--max-test",
+            "100",
+            "--probe-epochs",
+            "2",
+            "--semi-supervised",
+            "0.1",
+            "--semi-epochs",
+            "1",
+            "--semi-mode",
+            "head",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     line = json.loads(ev.stdout.strip().splitlines()[-1])
     assert 0 <= line["knn_acc"] <= 1 and line["num_train"] == 200

@@ -19,6 +19,7 @@ def one_torch_thread(monkeypatch):
     cores (the runs inherit this environment)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
+
 SMOKE = "configs/smoke-lwfedssl.yaml"
 
 
@@ -31,8 +32,9 @@ def data_overrides():
 
 def run(tmp_path, extra: str = "", config: str = SMOKE):
     out = tmp_path / "out"
-    proc = flwr_run(f"config='{config}' output-dir='{out}' {data_overrides()} {extra}", tmp_path / "flwr",
-                    timeout_s=300)
+    proc = flwr_run(
+        f"config='{config}' output-dir='{out}' {data_overrides()} {extra}", tmp_path / "flwr", timeout_s=300
+    )
     log = proc.stdout + proc.stderr
     assert (out / "summary.json").is_file(), log[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")

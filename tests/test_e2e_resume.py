@@ -22,6 +22,7 @@ def one_torch_thread(monkeypatch):
     cores (the runs inherit this environment)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
+
 ROUNDS = 3
 
 
@@ -36,8 +37,9 @@ def overrides() -> str:
 
 def comparable(rounds: list[dict]) -> list[dict]:
     keep = ("round", "train_loss", "knn_acc", "bytes_up", "bytes_down", "num_examples")
-    return [{**{k: r.get(k) for k in keep}, "clients": sorted((c["id"], c["loss"]) for c in r["clients"])}
-            for r in rounds]
+    return [
+        {**{k: r.get(k) for k in keep}, "clients": sorted((c["id"], c["loss"]) for c in r["clients"])} for r in rounds
+    ]
 
 
 def test_a_serverapp_killed_mid_round_resumes_to_the_same_final_metrics(tmp_path):
@@ -48,10 +50,22 @@ def test_a_serverapp_killed_mid_round_resumes_to_the_same_final_metrics(tmp_path
     cut = tmp_path / "cut"
     home = tmp_path / "flwr-cut"
     flwr = Path(sys.executable).parent / "flwr"
-    cmd = [str(flwr) if flwr.exists() else "flwr", "run", str(REPO), "--stream", "--run-config",
-           f"{overrides()} output-dir='{cut}'"]
-    run = subprocess.Popen(cmd, cwd=REPO, env=flwr_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           stdin=subprocess.DEVNULL)
+    cmd = [
+        str(flwr) if flwr.exists() else "flwr",
+        "run",
+        str(REPO),
+        "--stream",
+        "--run-config",
+        f"{overrides()} output-dir='{cut}'",
+    ]
+    run = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=flwr_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (cut / "checkpoints" / "round-000002" / "meta.json").is_file():
@@ -80,8 +94,11 @@ def test_a_serverapp_killed_mid_round_resumes_to_the_same_final_metrics(tmp_path
     for key in ("bytes_up", "bytes_down"):
         assert b["resources"]["run"][key] == a["resources"]["run"][key] == a[f"{key}_total"], key
     assert b["resumed_after_round"] == 2 and b["run_s"] > b["run_s_this_process"] > 0
-    meta = json.loads((cut / "checkpoints" / "round-000002" / "meta.json").read_text()) \
-        if (cut / "checkpoints" / "round-000002").is_dir() else None
+    meta = (
+        json.loads((cut / "checkpoints" / "round-000002" / "meta.json").read_text())
+        if (cut / "checkpoints" / "round-000002").is_dir()
+        else None
+    )
     assert meta is None or b["run_s"] >= meta["elapsed_s"] + b["run_s_this_process"] - 1e-6
 
     # Resuming the finished run again: it says so and changes no file
@@ -102,8 +119,9 @@ def test_a_resume_names_what_it_ignores_and_refuses_a_checkpoint_of_another_mode
     from ssl_models.factory import build_ssl_model, state_to_numpy
 
     cfg, _ = load_experiment({"config": "configs/smoke.yaml", "data.dataset": "synthetic"})
-    note = ignored_on_resume({"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic", "rounds": 9,
-                              "resume": "x"}, cfg)
+    note = ignored_on_resume(
+        {"config": "configs/smoke-fedema.yaml", "data.dataset": "synthetic", "rounds": 9, "resume": "x"}, cfg
+    )
     assert "run-config keys ['data.dataset', 'rounds'] ignored" in note
     assert "the given config's" in note and "strategy.name ('fedema'; the run's 'fedssl')" in note
     state = state_to_numpy(build_ssl_model(cfg, seed=0).state_dict())
@@ -111,7 +129,10 @@ def test_a_resume_names_what_it_ignores_and_refuses_a_checkpoint_of_another_mode
     wrong = dict(state)
     wrong["backbone.stem.0.weight"] = np.zeros((3, 3, 3, 3), np.float32)
     wrong["backbone.extra"] = np.zeros(2, np.float32)
-    with pytest.raises(ConfigError, match=r"^resume: the checkpoint's global model does not fit .*"
-                                          r"backbone.stem.0.weight is \(3, 3, 3, 3\) in the checkpoint, \(\d+, 3, 3, 3\) in "
-                                          r"the model; backbone.extra is not in the model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^resume: the checkpoint's global model does not fit .*"
+        r"backbone.stem.0.weight is \(3, 3, 3, 3\) in the checkpoint, \(\d+, 3, 3, 3\) in "
+        r"the model; backbone.extra is not in the model",
+    ):
         check_checkpoint_fits(cfg, wrong)

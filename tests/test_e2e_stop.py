@@ -18,8 +18,10 @@ def test_flwr_stop_leaves_a_stopped_line_and_no_client_writes_after_it(tmp_path,
     out = tmp_path / "out"
     launcher = Launcher(flwr_home=tmp_path / "flwr")
     try:
-        run_id = launcher.submit(f"config='configs/smoke.yaml' output-dir='{out}' data.dataset='synthetic' rounds=4 "
-                                 "train.local_epochs=3", num_supernodes=2)
+        run_id = launcher.submit(
+            f"config='configs/smoke.yaml' output-dir='{out}' data.dataset='synthetic' rounds=4 train.local_epochs=3",
+            num_supernodes=2,
+        )
         deadline = time.monotonic() + 300
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
             assert time.monotonic() < deadline, "no round finished"
@@ -36,7 +38,7 @@ def test_flwr_stop_leaves_a_stopped_line_and_no_client_writes_after_it(tmp_path,
     stopped = [i for i, line in enumerate(lines) if " stopped: " in line]
     assert len(stopped) == 1, lines
     assert "flwr stop" in lines[stopped[0]] and "resume with resume=" in lines[stopped[0]]
-    assert not any(" round " in line for line in lines[stopped[0] + 1:]), lines  # nothing recorded after it
+    assert not any(" round " in line for line in lines[stopped[0] + 1 :]), lines  # nothing recorded after it
     marker = out / "client_state" / RUN_STOPPED_MARKER
     assert marker.is_file()
     late = [p.name for p in (out / "client_state").rglob("client_*.npz") if p.stat().st_mtime > stopped_at + 1.0]

@@ -59,15 +59,24 @@ def data_path(tmp_path_factory) -> Path:
 
 def test_checkpoint_round_trip_restores_weights_buffers_and_metadata(tmp_path):
     original = _trained_looking_backbone(seed=3)
-    extra = {"method": "simclr", "round": np.int64(7), "lr": np.float32(0.5), "history": [1.0, None, (2, "x")],
-             "mask": np.array([1, 2])}
+    extra = {
+        "method": "simclr",
+        "round": np.int64(7),
+        "lr": np.float32(0.5),
+        "history": [1.0, None, (2, "x")],
+        "mask": np.array([1, 2]),
+    }
     path = save_encoder_checkpoint(tmp_path / "nested" / "dir" / "model.pt", original, ARCH, WIDTH, extra=extra)
     assert path.is_file()
     assert [p.name for p in path.parent.iterdir()] == ["model.pt"]  # no temporary file left behind
 
     loaded, info = load_encoder_checkpoint(path)
     assert info == {
-        "format": CHECKPOINT_FORMAT, "arch": ARCH, "width": WIDTH, "feature_dim": 64, "path": str(path),
+        "format": CHECKPOINT_FORMAT,
+        "arch": ARCH,
+        "width": WIDTH,
+        "feature_dim": 64,
+        "path": str(path),
         "input_normalization": None,
         "extra": {"method": "simclr", "round": 7, "lr": 0.5, "history": [1.0, None, (2, "x")], "mask": [1, 2]},
     }
@@ -161,8 +170,15 @@ def test_cli_prints_one_json_line_matching_the_library_result(capsys, checkpoint
     backbone, _ = load_encoder_checkpoint(checkpoint_path)
     with np.load(data_path) as arrays:
         expected = evaluate_backbone(
-            backbone, arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 6,
-            device=record["device"], knn_k=20, probe_epochs=5,
+            backbone,
+            arrays["x_train"],
+            arrays["y_train"],
+            arrays["x_test"],
+            arrays["y_test"],
+            6,
+            device=record["device"],
+            knn_k=20,
+            probe_epochs=5,
         )
     assert record["knn_acc"] == expected["knn_acc"]
     assert record["linear_probe_acc"] == expected["linear_probe_acc"]
@@ -171,8 +187,18 @@ def test_cli_prints_one_json_line_matching_the_library_result(capsys, checkpoint
 def test_cli_subsamples_per_class_and_exports_features(capsys, tmp_path, checkpoint_path, data_path):
     export = tmp_path / "out" / "features.npz"
     code, out, _ = _run_cli(
-        capsys, checkpoint_path, data_path, "--max-train", "60", "--max-test", "30", "--no-linear",
-        "--export-features", export, "--seed", "3",
+        capsys,
+        checkpoint_path,
+        data_path,
+        "--max-train",
+        "60",
+        "--max-test",
+        "30",
+        "--no-linear",
+        "--export-features",
+        export,
+        "--seed",
+        "3",
     )
     assert code == 0
     record = json.loads(out)
@@ -186,8 +212,9 @@ def test_cli_subsamples_per_class_and_exports_features(capsys, tmp_path, checkpo
         assert np.bincount(features["test_labels"], minlength=6).tolist() == [5] * 6
 
 
-@pytest.mark.parametrize("case", ["missing_model", "missing_data", "model_is_not_a_checkpoint",
-                                  "data_is_not_an_npz", "npz_without_arrays"])
+@pytest.mark.parametrize(
+    "case", ["missing_model", "missing_data", "model_is_not_a_checkpoint", "data_is_not_an_npz", "npz_without_arrays"]
+)
 def test_cli_input_errors_exit_2_with_one_message_and_no_traceback(capsys, tmp_path, checkpoint_path, data_path, case):
     text_file = tmp_path / "notes.txt"
     text_file.write_text("hello")
@@ -222,28 +249,47 @@ def test_cli_cuda_without_gpu_is_a_usage_error(capsys, checkpoint_path, data_pat
 def test_cli_on_a_file_with_one_class_is_a_usage_error(capsys, checkpoint_path, tmp_path):
     data = synthetic_dataset(num_train=40, num_test=20, num_classes=2, seed=1)
     path = tmp_path / "one-class.npz"
-    np.savez(path, x_train=data.x_train, y_train=np.zeros(40, np.int64), x_test=data.x_test,
-             y_test=np.zeros(20, np.int64))
+    np.savez(
+        path, x_train=data.x_train, y_train=np.zeros(40, np.int64), x_test=data.x_test, y_test=np.zeros(20, np.int64)
+    )
     code, out, err = _run_cli(capsys, checkpoint_path, path, "--no-linear")
     assert code == 2 and out == ""
-    assert err.strip().splitlines()[-1] == (f"fedssl-eval: error: data file {path}: its training labels hold 1 "
-                                            "class(es) (1 in the file); scoring an encoder needs labelled images of "
-                                            "at least 2")
+    assert err.strip().splitlines()[-1] == (
+        f"fedssl-eval: error: data file {path}: its training labels hold 1 "
+        "class(es) (1 in the file); scoring an encoder needs labelled images of "
+        "at least 2"
+    )
 
 
 def test_cli_as_a_process_keeps_stdout_to_the_json_line(checkpoint_path, data_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "ssl_models.evaluation.cli", str(checkpoint_path), str(data_path), "--no-linear",
-         "--max-train", "30", "--max-test", "12"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False
+        [
+            sys.executable,
+            "-m",
+            "ssl_models.evaluation.cli",
+            str(checkpoint_path),
+            str(data_path),
+            "--no-linear",
+            "--max-train",
+            "30",
+            "--max-test",
+            "12",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["num_test"] == 12
 
 
 def test_cli_on_the_cifar10_dev_copy(capsys, cifar_npz, checkpoint_path):
-    code, out, _ = _run_cli(capsys, checkpoint_path, cifar_npz, "--max-train", "500", "--max-test", "200",
-                            "--probe-epochs", "3")
+    code, out, _ = _run_cli(
+        capsys, checkpoint_path, cifar_npz, "--max-train", "500", "--max-test", "200", "--probe-epochs", "3"
+    )
     assert code == 0
     record = json.loads(out)
     assert (record["num_train"], record["num_test"], record["num_classes"]) == (500, 200, 10)

@@ -243,8 +243,14 @@ def test_linear_probe_validates_arguments():
 def test_evaluate_backbone_reports_all_fields(tiny_backbone, tiny_data):
     backbone, feature_dim = tiny_backbone
     result = evaluate_backbone(
-        backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10,
-        probe_epochs=10, return_features=True,
+        backbone,
+        tiny_data.x_train,
+        tiny_data.y_train,
+        tiny_data.x_test,
+        tiny_data.y_test,
+        10,
+        probe_epochs=10,
+        return_features=True,
     )
     assert result["num_train"] == 200 and result["num_test"] == 100 and result["feature_dim"] == feature_dim
     assert result["train_features"].shape == (200, feature_dim)
@@ -262,18 +268,31 @@ def test_evaluate_backbone_reports_all_fields(tiny_backbone, tiny_data):
 def test_evaluate_backbone_can_skip_scores(tiny_backbone, tiny_data):
     backbone, _ = tiny_backbone
     result = evaluate_backbone(
-        backbone, tiny_data.x_train[:50], tiny_data.y_train[:50], tiny_data.x_test[:20], tiny_data.y_test[:20],
-        10, knn=False, linear=False,
+        backbone,
+        tiny_data.x_train[:50],
+        tiny_data.y_train[:50],
+        tiny_data.x_test[:20],
+        tiny_data.y_test[:20],
+        10,
+        knn=False,
+        linear=False,
     )
     assert result["knn_acc"] is None and result["linear_probe_acc"] is None
     assert "train_features" not in result
     with pytest.raises(TypeError, match="unexpected keyword argument 'not_a_protocol_key'"):
-        evaluate_backbone(backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10,
-                          not_a_protocol_key=1)
+        evaluate_backbone(
+            backbone, tiny_data.x_train, tiny_data.y_train, tiny_data.x_test, tiny_data.y_test, 10, not_a_protocol_key=1
+        )
 
 
 def test_default_protocol_is_the_documented_one():
     assert dict(DEFAULT_PROTOCOL) == {
-        "feature_batch_size": 512, "knn_k": 200, "knn_temperature": 0.1, "probe_epochs": 100,
-        "probe_lr": 1e-3, "probe_batch_size": 256, "probe_weight_decay": 0.0, "seed": 0,
+        "feature_batch_size": 512,
+        "knn_k": 200,
+        "knn_temperature": 0.1,
+        "probe_epochs": 100,
+        "probe_lr": 1e-3,
+        "probe_batch_size": 256,
+        "probe_weight_decay": 0.0,
+        "seed": 0,
     }

@@ -21,13 +21,40 @@ import fedavg_recipe_pilot
 def test_a_tiny_pilot_prints_random_init_then_rounds_then_final_scores(tmp_path, capsys, schedule, lrs):
     rng = np.random.default_rng(0)
     path = tmp_path / "tiny.npz"
-    np.savez(path, x_train=rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8), y_train=np.arange(60) % 3,
-             x_test=rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8), y_test=np.arange(30) % 3)
-    assert fedavg_recipe_pilot.main([
-        "--data", str(path), "--images", "48", "--clients", "2", "--rounds", "2", "--epochs", "1", "--every", "1",
-        "--width", "0.125", "--options", '{"proj_hidden_dim": 16, "proj_out_dim": 8, "pred_hidden_dim": 16}',
-        "--train", '{"batch_size": 8, "lr": 0.001, "optimizer": "adam", "max_steps_per_epoch": 1}',
-        "--lr-schedule", schedule]) == 0
+    np.savez(
+        path,
+        x_train=rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8),
+        y_train=np.arange(60) % 3,
+        x_test=rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8),
+        y_test=np.arange(30) % 3,
+    )
+    assert (
+        fedavg_recipe_pilot.main(
+            [
+                "--data",
+                str(path),
+                "--images",
+                "48",
+                "--clients",
+                "2",
+                "--rounds",
+                "2",
+                "--epochs",
+                "1",
+                "--every",
+                "1",
+                "--width",
+                "0.125",
+                "--options",
+                '{"proj_hidden_dim": 16, "proj_out_dim": 8, "pred_hidden_dim": 16}',
+                "--train",
+                '{"batch_size": 8, "lr": 0.001, "optimizer": "adam", "max_steps_per_epoch": 1}',
+                "--lr-schedule",
+                schedule,
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["round"] for line in lines] == [0, 1, 1, 2, 2]
     assert lines[0]["linear_probe_acc"] is not None  # the random-init reference, probe included
@@ -50,13 +77,42 @@ def test_a_vit_pilot_builds_the_encoder_at_the_depth_asked(tmp_path, capsys, mon
     monkeypatch.setattr(fedavg_recipe_pilot, "build_ssl_model", spy)
     rng = np.random.default_rng(0)
     path = tmp_path / "tiny.npz"
-    np.savez(path, x_train=rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8), y_train=np.arange(40) % 2,
-             x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8), y_test=np.arange(20) % 2)
-    assert fedavg_recipe_pilot.main([
-        "--data", str(path), "--images", "32", "--clients", "1", "--rounds", "1", "--epochs", "1",
-        "--arch", "vit_tiny", "--arch-options", '{"depth": 2}', "--width", "0.125", "--method", "mocov3",
-        "--options", '{"proj_hidden_dim": 16, "proj_out_dim": 8, "pred_hidden_dim": 16}',
-        "--train", '{"batch_size": 8, "lr": 0.001, "optimizer": "adamw", "max_steps_per_epoch": 1}']) == 0
+    np.savez(
+        path,
+        x_train=rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8),
+        y_train=np.arange(40) % 2,
+        x_test=rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
+        y_test=np.arange(20) % 2,
+    )
+    assert (
+        fedavg_recipe_pilot.main(
+            [
+                "--data",
+                str(path),
+                "--images",
+                "32",
+                "--clients",
+                "1",
+                "--rounds",
+                "1",
+                "--epochs",
+                "1",
+                "--arch",
+                "vit_tiny",
+                "--arch-options",
+                '{"depth": 2}',
+                "--width",
+                "0.125",
+                "--method",
+                "mocov3",
+                "--options",
+                '{"proj_hidden_dim": 16, "proj_out_dim": 8, "pred_hidden_dim": 16}',
+                "--train",
+                '{"batch_size": 8, "lr": 0.001, "optimizer": "adamw", "max_steps_per_epoch": 1}',
+            ]
+        )
+        == 0
+    )
     assert built == [("vit_tiny", {"depth": 2}, 2)]
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["round"] for line in lines] == [0, 1, 1]

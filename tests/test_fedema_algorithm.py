@@ -59,28 +59,37 @@ def initial_global(cfg):
 
 
 def make_strategy(cls=FedEMA, n=3, **opts):
-    return cls(clients={pid: 100 + pid for pid in range(n)}, clients_per_round=n, seed=0,
-               options={**cls.default_options(), **opts})
+    return cls(
+        clients={pid: 100 + pid for pid in range(n)},
+        clients_per_round=n,
+        seed=0,
+        options={**cls.default_options(), **opts},
+    )
 
 
 def reply(result, pid):
     """The reply a client sends after ``train_local_ssl`` (as client_app.app.train encodes it)."""
-    metrics = {"partition-id": pid, "num-examples": result.stats.num_examples, "train_loss": result.stats.loss,
-               "train_s": result.stats.seconds}
+    metrics = {
+        "partition-id": pid,
+        "num-examples": result.stats.num_examples,
+        "train_loss": result.stats.loss,
+        "train_s": result.stats.seconds,
+    }
     for key, value in result.info.items():
         if isinstance(value, bool):
             metrics[f"rule.{key}"] = int(value)
         elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
     request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=100 + pid, message_type="train")
-    return Message(RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)}),
-                   reply_to=request)
+    return Message(
+        RecordDict({"arrays": to_array_record(result.shared_state), "metrics": MetricRecord(metrics)}), reply_to=request
+    )
 
 
 def rule_inputs(strategy, server_round, pid):
     prefix = "rule-input."
     cfg = strategy.config_for_client(server_round, pid)
-    return {k[len(prefix):]: v for k, v in cfg.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in cfg.items() if k.startswith(prefix)}
 
 
 class Federation:
@@ -97,9 +106,17 @@ class Federation:
         results = {}
         for pid in pids:
             results[pid] = train_local_ssl(
-                self.cfg, client_images(self.cfg, pid), sent, self.states.get(pid), server_round=server_round,
-                partition_id=pid, lr=0.05, rule=self.strategy.client_update, rule_options=self.rule_options,
-                rule_inputs=rule_inputs(self.strategy, server_round, pid))
+                self.cfg,
+                client_images(self.cfg, pid),
+                sent,
+                self.states.get(pid),
+                server_round=server_round,
+                partition_id=pid,
+                lr=0.05,
+                rule=self.strategy.client_update,
+                rule_options=self.rule_options,
+                rule_inputs=rule_inputs(self.strategy, server_round, pid),
+            )
             self.states[pid] = results[pid].client_state
         replies = [reply(results[p], p) for p in pids]
         arrays, _ = self.strategy.aggregate_train(server_round, replies)
@@ -122,14 +139,15 @@ def test_after_a_skipped_round_online_predictor_and_target_restart_from_the_glob
     targets = [k for k in now if k.startswith("target_")]
     assert targets and not np.array_equal(own["target_backbone.stem.0.weight"], glob["backbone.stem.0.weight"])
     for key in targets:  # every target entry (weights and BN statistics) is the global online one
-        np.testing.assert_array_equal(now[key], glob[key[len("target_"):]])
+        np.testing.assert_array_equal(now[key], glob[key[len("target_") :]])
     for key, value in glob.items():
         np.testing.assert_array_equal(now[key], value)
     # a client that trained in the previous round keeps its own target
     kept = build_ssl_model(cfg, seed=1)
     fedema_download(kept, glob, {**own, "meta.last_round": np.array([3])}, 4, options())
-    np.testing.assert_array_equal(state_to_numpy(kept.state_dict())["target_backbone.stem.0.weight"],
-                                  own["target_backbone.stem.0.weight"])
+    np.testing.assert_array_equal(
+        state_to_numpy(kept.state_dict())["target_backbone.stem.0.weight"], own["target_backbone.stem.0.weight"]
+    )
 
 
 # ---------------------------------------------------------------------------------- (b) server-side lambda
@@ -150,7 +168,8 @@ def test_full_participation_lambda_from_the_first_upload_gives_first_mu_tau(cfg)
         assert client["lambda_set"] == strategy.autoscaler_lambdas[pid]
         assert strategy.config_for_client(2, pid) == {"rule-input.server_lambda": strategy.autoscaler_lambdas[pid]}
     assert isinstance(strategy.autoscaler_lambdas, dict) and all(
-        type(k) is int and type(v) is float for k, v in strategy.autoscaler_lambdas.items())
+        type(k) is int and type(v) is float for k, v in strategy.autoscaler_lambdas.items()
+    )
     second = fed.round(2, [0, 1])
     for pid in (0, 1):  # the client's divergence is the server's: its first mu is tau
         info = second[pid].info
@@ -165,8 +184,9 @@ def test_partial_participation_lambda_comes_from_the_first_round_not_the_first_e
     fed.round(1, [0, 2])
     lam_2 = strategy.autoscaler_lambdas[2]
     round1 = fed.history[0]
-    assert lam_2 == pytest.approx(TAU / l2_divergence(round1["new_global"], round1["results"][2].shared_state,
-                                                      ONLINE), rel=1e-12)
+    assert lam_2 == pytest.approx(
+        TAU / l2_divergence(round1["new_global"], round1["results"][2].shared_state, ONLINE), rel=1e-12
+    )
     fed.round(2, [0, 1])  # client 2 skips round 2; client 1's first upload sets its lambda now
     assert strategy.autoscaler_lambdas[2] == lam_2 and set(strategy.autoscaler_lambdas) == {0, 1, 2}
     third = fed.round(3, [1, 2])  # client 2 was not selected in round 2: it restarts from the global model
@@ -186,8 +206,9 @@ def test_partial_participation_lambda_comes_from_the_first_round_not_the_first_e
     assert old.round_records[1]["lambda_from"] == "client_first_ema"
     state_after_3 = third[2].client_state
     method = build_ssl_model(cfg, seed=5)
-    info_old = fedema_download(method, fed.history[3]["global"], state_after_3, 4,
-                               options(lambda_from="client_first_ema"))
+    info_old = fedema_download(
+        method, fed.history[3]["global"], state_after_3, 4, options(lambda_from="client_first_ema")
+    )
     assert info_old["divergence"] == pytest.approx(info["divergence"], rel=1e-12)  # same client, same global
     assert info_old["mu"] == pytest.approx(TAU, abs=1e-9) and info_old["lambda_from_server"] is False
 
@@ -209,8 +230,9 @@ def test_only_the_clients_with_a_lambda_get_one_in_their_message(cfg):
 
 
 def test_the_clientapp_hands_the_servers_lambda_to_the_download_rule(cfg):
-    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 3}, state=RecordDict(),
-                  run_config={})
+    ctx = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 3}, state=RecordDict(), run_config={}
+    )
     fedema_cfg = ExperimentConfig.from_dict({**TINY, "strategy": {"name": "fedema"}})
     fedema_cfg.strategy.options = options()
     glob = initial_global(cfg)
@@ -218,9 +240,25 @@ def test_the_clientapp_hands_the_servers_lambda_to_the_download_rule(cfg):
     lam = None
     for server_round in (1, 2):
         extra = {} if lam is None else {"rule-input.server_lambda": lam}
-        msg = Message(RecordDict({"arrays": to_array_record(glob), "config": ConfigRecord({
-            "experiment": fedema_cfg.to_json(), "server-round": server_round, "lr": 0.05, "client-update": "fedema",
-            "client-state": "memory", **extra})}), dst_node_id=5, message_type="train")
+        msg = Message(
+            RecordDict(
+                {
+                    "arrays": to_array_record(glob),
+                    "config": ConfigRecord(
+                        {
+                            "experiment": fedema_cfg.to_json(),
+                            "server-round": server_round,
+                            "lr": 0.05,
+                            "client-update": "fedema",
+                            "client-state": "memory",
+                            **extra,
+                        }
+                    ),
+                }
+            ),
+            dst_node_id=5,
+            message_type="train",
+        )
         replies.append(app(msg, ctx))
         assert not replies[-1].has_error(), replies[-1].error
         # a lambda that makes round 2's mu 0.3 exactly (not capped at 1): d = ||W_g - W_k||, W_k the round-1 upload

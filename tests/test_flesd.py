@@ -21,13 +21,24 @@ from wire_bytes import hand_bytes
 
 TINY = {
     "rounds": 2,
-    "data": {"dataset": "synthetic", "synthetic_train": 160, "synthetic_test": 40, "partition": "iid",
-             "public_size": 40},
+    "data": {
+        "dataset": "synthetic",
+        "synthetic_train": 160,
+        "synthetic_test": 40,
+        "partition": "iid",
+        "public_size": 40,
+    },
     "model": {"arch": "resnet18", "width": 0.125, "client_archs": ["resnet18", "resnet34"]},
     "method": {"name": "simclr", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16}},
     "federation": {"num_clients": 2},
-    "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False,
-              "optimizer": "adam", "lr": 1e-3},
+    "train": {
+        "local_epochs": 1,
+        "batch_size": 16,
+        "max_steps_per_epoch": 1,
+        "fast_path": False,
+        "optimizer": "adam",
+        "lr": 1e-3,
+    },
     "strategy": {"name": "flesd", "options": {"distill_iterations": 4, "distill_batch_size": 8, "queue_size": 16}},
 }
 
@@ -56,8 +67,19 @@ def test_public_set_is_disjoint_from_clients_and_hash_checked(cfg):
     assert not set(split.public_idx) & set(np.concatenate(split.client_idx))
     public = public_images(cfg)
     with pytest.raises(PublicSetMismatch, match="public set mismatch"):
-        similarity_round(cfg, client_images(cfg, 0), public, global_shared(cfg), None, server_round=1,
-                         partition_id=0, lr=1e-3, public_digest="0" * 64, similarity="topk", topk_fraction=0.1)
+        similarity_round(
+            cfg,
+            client_images(cfg, 0),
+            public,
+            global_shared(cfg),
+            None,
+            server_round=1,
+            partition_id=0,
+            lr=1e-3,
+            public_digest="0" * 64,
+            similarity="topk",
+            topk_fraction=0.1,
+        )
 
 
 def projector_similarities(cfg, partition_id, client_state, public):
@@ -77,8 +99,19 @@ def projector_similarities(cfg, partition_id, client_state, public):
 def test_similarity_round_uploads_the_topk_of_its_projector_cosines_and_keeps_a_foreign_architecture(cfg):
     public = public_images(cfg)
     digest = images_digest(public)
-    r = similarity_round(cfg, client_images(cfg, 1), public, {}, None, server_round=1, partition_id=1, lr=1e-3,
-                         public_digest=digest, similarity="topk", topk_fraction=0.1)
+    r = similarity_round(
+        cfg,
+        client_images(cfg, 1),
+        public,
+        {},
+        None,
+        server_round=1,
+        partition_id=1,
+        lr=1e-3,
+        public_digest=digest,
+        similarity="topk",
+        topk_fraction=0.1,
+    )
     n, k = len(public), topk_count(len(public), 0.1)
     assert (n, k) == (40, 5)
     assert r.payload["values"].shape == (n, k) and r.payload["values"].dtype == np.float16
@@ -94,13 +127,24 @@ def test_similarity_round_uploads_the_topk_of_its_projector_cosines_and_keeps_a_
     # The ResNet-34 client keeps its own weights between rounds: its state holds a layer ResNet-18 lacks, and
     # round 2 continues from it (learning rate 0: the weights stay exactly the kept ones).
     assert "backbone.layer3.5.conv1.weight" in r.client_state
-    r2 = similarity_round(cfg, client_images(cfg, 1), public, {}, r.client_state, server_round=2, partition_id=1,
-                          lr=0.0, public_digest=digest, similarity="dense-fp16")
+    r2 = similarity_round(
+        cfg,
+        client_images(cfg, 1),
+        public,
+        {},
+        r.client_state,
+        server_round=2,
+        partition_id=1,
+        lr=0.0,
+        public_digest=digest,
+        similarity="dense-fp16",
+    )
     for key in ("backbone.layer3.5.conv1.weight", "projector.0.weight"):
         np.testing.assert_array_equal(r2.client_state[key], r.client_state[key])
     assert r2.payload["values"].shape == (n, n) and r2.payload["values"].dtype == np.float16
-    np.testing.assert_allclose(r2.payload["values"].astype(np.float64),
-                               projector_similarities(cfg, 1, r2.client_state, public), atol=1e-3)
+    np.testing.assert_allclose(
+        r2.payload["values"].astype(np.float64), projector_similarities(cfg, 1, r2.client_state, public), atol=1e-3
+    )
 
 
 def reply(request, content):
@@ -109,8 +153,7 @@ def reply(request, content):
 
 def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path, monkeypatch):
     data = load_dataset("synthetic", synthetic_sizes=(160, 40, 10))
-    strategy = FLESD(clients={0: 10, 1: 11}, clients_per_round=2, options=cfg.strategy.options,
-                     state_dir=str(tmp_path))
+    strategy = FLESD(clients={0: 10, 1: 11}, clients_per_round=2, options=cfg.strategy.options, state_dir=str(tmp_path))
     strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
     initial = to_array_record(global_shared(cfg))
 
@@ -134,11 +177,32 @@ def test_flesd_server_ensembles_distils_and_counts_bytes(cfg, identity, tmp_path
     assert msgs[10].content["config"]["public-digest"] == images_digest(public_images(cfg))
     replies = []
     for node, pid in ((10, 0), (11, 1)):
-        r = similarity_round(cfg, client_images(cfg, pid), public_images(cfg), from_array_record(
-            msgs[node].content["arrays"]), None, server_round=1, partition_id=pid, lr=1e-3,
-            public_digest=msgs[node].content["config"]["public-digest"], similarity="topk", topk_fraction=0.1)
-        replies.append(reply(msgs[node], RecordDict({"similarity": to_array_record(r.payload), "metrics": MetricRecord(
-            {"partition-id": pid, "num-examples": 60, "train_loss": 1.0, "train_s": 0.1})})))
+        r = similarity_round(
+            cfg,
+            client_images(cfg, pid),
+            public_images(cfg),
+            from_array_record(msgs[node].content["arrays"]),
+            None,
+            server_round=1,
+            partition_id=pid,
+            lr=1e-3,
+            public_digest=msgs[node].content["config"]["public-digest"],
+            similarity="topk",
+            topk_fraction=0.1,
+        )
+        replies.append(
+            reply(
+                msgs[node],
+                RecordDict(
+                    {
+                        "similarity": to_array_record(r.payload),
+                        "metrics": MetricRecord(
+                            {"partition-id": pid, "num-examples": 60, "train_loss": 1.0, "train_s": 0.1}
+                        ),
+                    }
+                ),
+            )
+        )
     arrays, _ = strategy.aggregate_train(1, replies)
     new = from_array_record(arrays)
     old = from_array_record(initial)
@@ -175,6 +239,7 @@ def test_mixed_architectures_need_a_strategy_that_supports_them(tmp_path):
         raw = cfg.to_dict()
         raw["model"]["client_archs"] = ["resnet18", "resnet99"]
         import yaml
+
         path = tmp_path / "c.yaml"
         path.write_text(yaml.safe_dump(raw))
         load_experiment({"config": str(path)})
@@ -189,16 +254,21 @@ def test_proximal_term_hand_computation():
 
 
 def test_fedprox_pulls_the_local_model_towards_the_global_one():
-    cfg = ExperimentConfig.from_dict({**TINY, "model": {"arch": "resnet18", "width": 0.125},
-                                      "train": {**TINY["train"], "max_steps_per_epoch": 3, "lr": 0.05,
-                                                "optimizer": "sgd"}})
+    cfg = ExperimentConfig.from_dict(
+        {
+            **TINY,
+            "model": {"arch": "resnet18", "width": 0.125},
+            "train": {**TINY["train"], "max_steps_per_epoch": 3, "lr": 0.05, "optimizer": "sgd"},
+        }
+    )
     g = global_shared(cfg)
     images = client_images(cfg, 0)
 
     def drift(mu):
         r = train_local_ssl(cfg, images, g, None, server_round=1, partition_id=0, lr=0.05, proximal_mu=mu)
-        return sum(float(np.sum((r.shared_state[k] - g[k]) ** 2)) for k in g if "running" not in k
-                   and "num_batches" not in k)
+        return sum(
+            float(np.sum((r.shared_state[k] - g[k]) ** 2)) for k in g if "running" not in k and "num_batches" not in k
+        )
 
     assert drift(5.0) < drift(0.0)  # lr * mu = 0.25: a stable pull towards the global weights
     assert FedProx(clients={0: 1}, clients_per_round=1).client_config(1)["proximal-mu"] == 1e-4
@@ -210,13 +280,24 @@ def test_min_local_sends_the_initial_model_once_and_never_aggregates(tmp_path, i
     assert record_names(strategy.arrays_for_client(1, 0, init)) == ["backbone.w"]
     assert len(strategy.arrays_for_client(2, 0, init)) == 0
     req = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=10, message_type="train")
-    rep = reply(req, RecordDict({"arrays": to_array_record({"backbone.w": np.ones(3, np.float32)}),
-                                 "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0,
-                                                          "train_s": 0.1})}))
+    rep = reply(
+        req,
+        RecordDict(
+            {
+                "arrays": to_array_record({"backbone.w": np.ones(3, np.float32)}),
+                "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0, "train_s": 0.1}),
+            }
+        ),
+    )
     arrays, _ = strategy.aggregate_train(1, [rep])
     assert arrays is None
-    strategy.prepare(ExperimentConfig.from_dict({"model": {"arch": "resnet18", "client_archs": ["resnet34"]},
-                                                 "federation": {"num_clients": 1}}), None, None)
+    strategy.prepare(
+        ExperimentConfig.from_dict(
+            {"model": {"arch": "resnet18", "client_archs": ["resnet34"]}, "federation": {"num_clients": 1}}
+        ),
+        None,
+        None,
+    )
     models = strategy.models_to_evaluate(init)
     assert list(models) == ["client_0"]
     np.testing.assert_array_equal(from_array_record(models["client_0"].arrays)["backbone.w"], np.ones(3))
@@ -228,13 +309,19 @@ def test_public_source_client0_uses_client_0s_partition_and_client_0_does_not_tr
 
     from client_app.app import app
 
-    cfg = ExperimentConfig.from_dict({**TINY, "data": {**TINY["data"], "public_size": 0},
-                                      "model": {"arch": "resnet18", "width": 0.125}, "federation": {"num_clients": 3},
-                                      "strategy": {"name": "flesd", "options": {**TINY["strategy"]["options"],
-                                                                                "public_source": "client0"}}})
+    cfg = ExperimentConfig.from_dict(
+        {
+            **TINY,
+            "data": {**TINY["data"], "public_size": 0},
+            "model": {"arch": "resnet18", "width": 0.125},
+            "federation": {"num_clients": 3},
+            "strategy": {"name": "flesd", "options": {**TINY["strategy"]["options"], "public_source": "client0"}},
+        }
+    )
     data = load_dataset("synthetic", synthetic_sizes=(160, 40, 10))
-    strategy = FLESD(clients={0: 10, 1: 11, 2: 12}, clients_per_round=3, options=cfg.strategy.options,
-                     state_dir=str(tmp_path))
+    strategy = FLESD(
+        clients={0: 10, 1: 11, 2: 12}, clients_per_round=3, options=cfg.strategy.options, state_dir=str(tmp_path)
+    )
     strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
     np.testing.assert_array_equal(strategy.public, client_images(cfg, 0))  # the public set is client 0's data
 
@@ -252,8 +339,13 @@ def test_public_source_client0_uses_client_0s_partition_and_client_0_does_not_tr
     # uploads the similarities of that set, 1 x N x k for N = client 0's size.
     m = msgs[0]
     pid = m.metadata.dst_node_id - 10
-    ctx = Context(run_id=1, node_id=m.metadata.dst_node_id, state=RecordDict(), run_config={},
-                  node_config={"partition-id": pid, "num-partitions": 3})
+    ctx = Context(
+        run_id=1,
+        node_id=m.metadata.dst_node_id,
+        state=RecordDict(),
+        run_config={},
+        node_config={"partition-id": pid, "num-partitions": 3},
+    )
     m.content["config"]["lr"] = 1e-3
     m.content["config"]["client-state"] = "memory"
     out = app(m, ctx)

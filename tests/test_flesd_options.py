@@ -28,9 +28,7 @@ from strategies import FLESD
 
 TAU = 0.5
 # One client, N = 3, top-1/3 fraction: k = floor(3 / 3) + 1 = 2 entries kept per row (itself and its best).
-M = torch.tensor([[1.0, 0.5, -0.2],
-                  [0.5, 1.0, 0.1],
-                  [-0.2, 0.1, 1.0]])
+M = torch.tensor([[1.0, 0.5, -0.2], [0.5, 1.0, 0.1], [-0.2, 0.1, 1.0]])
 
 
 # ---------------------------------------------------------------------------------- sparsification
@@ -40,11 +38,13 @@ def test_default_sparsify_zeroes_dropped_similarities_before_the_exp():
     payload = encode_similarity(M, "topk", fraction=1 / 3)
     # Row 0 keeps 1.0 and 0.5; the dropped -0.2 becomes 0 before the exp: exp((0 - 1) / 0.5) = e^-2.
     e = math.exp
-    expected_zero_similarity = torch.tensor([
-        [1.0, e(-1.0), e(-2.0)],  # exp((0.5 - 1) / 0.5) = e^-1
-        [e(-1.0), 1.0, e(-2.0)],  # kept 1.0, 0.5; dropped 0.1 -> 0
-        [e(-2.0), e(-1.8), 1.0],  # kept 1.0, 0.1 (exp((0.1 - 1) / 0.5) = e^-1.8); dropped -0.2 -> 0
-    ])
+    expected_zero_similarity = torch.tensor(
+        [
+            [1.0, e(-1.0), e(-2.0)],  # exp((0.5 - 1) / 0.5) = e^-1
+            [e(-1.0), 1.0, e(-2.0)],  # kept 1.0, 0.5; dropped 0.1 -> 0
+            [e(-2.0), e(-1.8), 1.0],  # kept 1.0, 0.1 (exp((0.1 - 1) / 0.5) = e^-1.8); dropped -0.2 -> 0
+        ]
+    )
     default = ensemble_similarity([payload], TAU)
     torch.testing.assert_close(default.double(), expected_zero_similarity.double(), atol=2e-3, rtol=2e-3)  # fp16
     masked = ensemble_similarity([payload], TAU, sparsify="zero_probability")
@@ -56,8 +56,11 @@ def test_default_sparsify_zeroes_dropped_similarities_before_the_exp():
 
 def test_old_sparsify_names_are_refused_with_the_new_ones():
     for old in ("paper", "code"):
-        with pytest.raises(ValueError, match=r"^strategy.options.sparsify: .* renamed .* zero_similarity .* "
-                                             r"zero_probability"):
+        with pytest.raises(
+            ValueError,
+            match=r"^strategy.options.sparsify: .* renamed .* zero_similarity .* "
+            r"zero_probability",
+        ):
             FLESD.check_options({**FLESD.default_options(), "sparsify": old})
     with pytest.raises(ValueError, match=r"^strategy.options.queue_warmup: must be one of start, every_epoch"):
         FLESD.check_options({**FLESD.default_options(), "queue_warmup": "never"})
@@ -82,9 +85,18 @@ def _tiny_simclr(**options) -> torch.nn.Module:
 def test_queue_warmup_every_epoch_skips_the_first_batches_of_every_epoch():
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(32, 8, 8, 3), dtype=np.uint8)
-    ensemble = ensemble_similarity([similarity_matrix(torch.randn(32, 8, generator=torch.Generator().manual_seed(1)))],
-                                   0.1)
-    kwargs = {"iterations": 7, "batch_size": 8, "queue_size": 16, "momentum": 0.9, "lr": 1e-3, "seed": 0, "fast_path": False}
+    ensemble = ensemble_similarity(
+        [similarity_matrix(torch.randn(32, 8, generator=torch.Generator().manual_seed(1)))], 0.1
+    )
+    kwargs = {
+        "iterations": 7,
+        "batch_size": 8,
+        "queue_size": 16,
+        "momentum": 0.9,
+        "lr": 1e-3,
+        "seed": 0,
+        "fast_path": False,
+    }
     # 32 images / 8 = 4 batches per epoch; warm-up ceil(16 / 8) = 2 batches.
     start = distill(_tiny_simclr(), images, ensemble, **kwargs)
     assert (start["steps"], start["warmup_iterations"], start["queue_warmup"]) == (5, 2, "start")
@@ -92,8 +104,13 @@ def test_queue_warmup_every_epoch_skips_the_first_batches_of_every_epoch():
     # iterations 0-1 and 4-5 only fill the queue: 4 skipped, 3 steps (iterations 2, 3 and 6)
     assert (every["steps"], every["warmup_iterations"], every["queue_warmup"]) == (3, 4, "every_epoch")
     with pytest.raises(ValueError, match=r"queue_warmup every_epoch: an epoch over 32 public images has 2 batches"):
-        distill(_tiny_simclr(), images, ensemble, queue_warmup="every_epoch", **{**kwargs, "batch_size": 16,
-                                                                                 "queue_size": 32})
+        distill(
+            _tiny_simclr(),
+            images,
+            ensemble,
+            queue_warmup="every_epoch",
+            **{**kwargs, "batch_size": 16, "queue_size": 32},
+        )
 
 
 # ---------------------------------------------------------------------------------- key encoder per round
@@ -107,17 +124,26 @@ def identity():
 
 
 def _flesd_cfg(**options) -> ExperimentConfig:
-    return ExperimentConfig.from_dict({
-        "rounds": 2,
-        "data": {"dataset": "synthetic", "synthetic_train": 96, "synthetic_test": 16, "partition": "iid",
-                 "public_size": 24},
-        "model": {"arch": "resnet18", "width": 0.125},
-        "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
-        "federation": {"num_clients": 2},
-        "train": {"fast_path": False},
-        "strategy": {"name": "flesd", "options": {"distill_iterations": 4, "distill_batch_size": 8,
-                                                  "queue_size": 8, **options}},
-    })
+    return ExperimentConfig.from_dict(
+        {
+            "rounds": 2,
+            "data": {
+                "dataset": "synthetic",
+                "synthetic_train": 96,
+                "synthetic_test": 16,
+                "partition": "iid",
+                "public_size": 24,
+            },
+            "model": {"arch": "resnet18", "width": 0.125},
+            "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
+            "federation": {"num_clients": 2},
+            "train": {"fast_path": False},
+            "strategy": {
+                "name": "flesd",
+                "options": {"distill_iterations": 4, "distill_batch_size": 8, "queue_size": 8, **options},
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize("key_encoder", ["carry_over", "fresh_each_round"])
@@ -126,16 +152,34 @@ def test_key_encoder_carries_over_or_is_a_fresh_copy_of_each_rounds_student(key_
 
     def fake_distill(method, public, ensemble, *, key_encoder, augment, queue_warmup, **kwargs):
         # what the key encoder holds when the round's distillation starts, against the student's weights
-        student = state_to_numpy({**{f"backbone.{k}": v for k, v in method.backbone.state_dict().items()},
-                                  **{f"projector.{k}": v for k, v in method.projector.state_dict().items()}})
+        student = state_to_numpy(
+            {
+                **{f"backbone.{k}": v for k, v in method.backbone.state_dict().items()},
+                **{f"projector.{k}": v for k, v in method.projector.state_dict().items()},
+            }
+        )
         keys = state_to_numpy(key_encoder.state_dict())
-        calls.append({"id": id(key_encoder), "equals_student": all(np.array_equal(keys[k], student[k]) for k in keys),
-                      "queue_warmup": queue_warmup})
+        calls.append(
+            {
+                "id": id(key_encoder),
+                "equals_student": all(np.array_equal(keys[k], student[k]) for k in keys),
+                "queue_warmup": queue_warmup,
+            }
+        )
         with torch.no_grad():  # the momentum encoder drifts during a distillation
             for p in key_encoder.parameters():
                 p.add_(1.0)
-        return {"loss": 1.0, "loss_first_quarter": 1.0, "loss_last_quarter": 1.0, "steps": 1, "iterations": 4, "warmup_iterations": 1, "queue_warmup": queue_warmup,
-                "seconds": 0.0, "precision": "fp32"}
+        return {
+            "loss": 1.0,
+            "loss_first_quarter": 1.0,
+            "loss_last_quarter": 1.0,
+            "steps": 1,
+            "iterations": 4,
+            "warmup_iterations": 1,
+            "queue_warmup": queue_warmup,
+            "seconds": 0.0,
+            "precision": "fp32",
+        }
 
     monkeypatch.setattr(flesd_module, "distill", fake_distill)
     cfg = _flesd_cfg(key_encoder=key_encoder, queue_warmup="every_epoch")
@@ -149,12 +193,22 @@ def test_key_encoder_carries_over_or_is_a_fresh_copy_of_each_rounds_student(key_
     for server_round in (1, 2):
         strategy._global = arrays
         request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=10, message_type="train.similarity")
-        rep = Message(RecordDict({"similarity": to_array_record(payload), "metrics": MetricRecord(
-            {"partition-id": 0, "num-examples": 30, "train_loss": 1.0, "train_s": 0.1})}), reply_to=request)
+        rep = Message(
+            RecordDict(
+                {
+                    "similarity": to_array_record(payload),
+                    "metrics": MetricRecord({"partition-id": 0, "num-examples": 30, "train_loss": 1.0, "train_s": 0.1}),
+                }
+            ),
+            reply_to=request,
+        )
         new, _ = strategy.aggregate_train(server_round, [rep])
         record = strategy.round_records[server_round]
         assert (record["key_encoder"], record["queue_warmup"], record["sparsify"]) == (
-            key_encoder, "every_epoch", "zero_similarity")
+            key_encoder,
+            "every_epoch",
+            "zero_similarity",
+        )
         arrays = new
     assert calls[0]["equals_student"] and calls[0]["queue_warmup"] == "every_epoch"
     if key_encoder == "carry_over":
@@ -185,5 +239,8 @@ def test_flesd_configs_use_the_papers_head():
     cfg = study_experiments("paper/flesd-table1")["cifar10-alpha1-flesd"]
     method = build_ssl_model(cfg, seed=0)
     assert [type(m).__name__ for m in method.projector] == ["Linear", "ReLU", "Linear"]
-    assert (method.projector[0].in_features, method.projector[0].out_features,
-            method.projector[2].out_features) == (512, 512, 128)
+    assert (method.projector[0].in_features, method.projector[0].out_features, method.projector[2].out_features) == (
+        512,
+        512,
+        128,
+    )

@@ -44,8 +44,13 @@ from wire_bytes import hand_bytes
 
 TINY = {
     "rounds": 3,
-    "data": {"dataset": "synthetic", "synthetic_train": 200, "synthetic_test": 40, "partition": "iid",
-             "public_size": 40},
+    "data": {
+        "dataset": "synthetic",
+        "synthetic_train": 200,
+        "synthetic_test": 40,
+        "partition": "iid",
+        "public_size": 40,
+    },
     "model": {"arch": "resnet18", "width": 0.125, "client_archs": ["resnet18", "resnet34"]},
     "method": {"name": "byol", "options": {"proj_hidden_dim": 32, "proj_out_dim": 16, "pred_hidden_dim": 32}},
     "federation": {"num_clients": 2},
@@ -126,8 +131,9 @@ def test_frobenius_normalization_gives_each_client_unit_centred_kernel_and_keeps
     assert normalize_kernel(big_k, "none") is big_k
     # Raw kernels: the average follows the client with the larger representations; normalised, both count.
     raw = average_kernels([(encode_kernel(k, "dense-fp32"), 1.0) for k in (small_k, big_k)], 10)
-    fair = average_kernels([(encode_kernel(normalize_kernel(k, "frobenius"), "dense-fp32"), 1.0)
-                            for k in (small_k, big_k)], 10)
+    fair = average_kernels(
+        [(encode_kernel(normalize_kernel(k, "frobenius"), "dense-fp32"), 1.0) for k in (small_k, big_k)], 10
+    )
     assert kernel_cka(raw, big_k) > 0.99 and kernel_cka(raw, small_k) < kernel_cka(fair, small_k)
     with pytest.raises(ValueError, match="kernel normalization"):
         normalize_kernel(big_k, "l1")
@@ -159,17 +165,33 @@ def small():
     return cfg, rad, images, client_kernel(rad_representations(other, rad, "predictor"))
 
 
-@pytest.mark.parametrize("refresh,extra", [("epoch", {}), ("step", {"refresh_steps": 1}),
-                                           ("minibatch", {"rad_batch_size": 16}),
-                                           ("step", {"bn_mode": "train"})])
+@pytest.mark.parametrize(
+    "refresh,extra",
+    [
+        ("epoch", {}),
+        ("step", {"refresh_steps": 1}),
+        ("minibatch", {"rad_batch_size": 16}),
+        ("step", {"bn_mode": "train"}),
+    ],
+)
 def test_alignment_term_moves_the_kernel_towards_kbar(small, refresh, extra):
     cfg, rad, images, target = small
     ckas = {}
     for mu in (0.0, 20.0):
         model = build_ssl_model(cfg, seed=1)
         aligner = KernelAligner(rad, target, mu=mu, refresh=refresh, forward_batch_size=16, **extra)
-        train_ssl(model, images, epochs=3, batch_size=32, lr=0.05, fast_path=False, max_steps_per_epoch=1, seed=0,
-                  loss_hook=aligner.loss, epoch_hook=aligner.on_epoch_start)
+        train_ssl(
+            model,
+            images,
+            epochs=3,
+            batch_size=32,
+            lr=0.05,
+            fast_path=False,
+            max_steps_per_epoch=1,
+            seed=0,
+            loss_hook=aligner.loss,
+            epoch_hook=aligner.on_epoch_start,
+        )
         bn_mode = extra.get("bn_mode", "eval")  # measured as aligned
         ckas[mu] = kernel_cka(client_kernel(rad_representations(model, rad, bn_mode=bn_mode)), target)
     # (batch-statistics representations move less in these 3 steps: the target was taken in eval mode)
@@ -301,8 +323,17 @@ def test_train_precision_term_is_eq2_in_bf16_close_to_the_fp32_one(small, refres
     extra = {"rad_batch_size": 40} if refresh == "minibatch" else {}  # the whole RAD: comparable with eq2_at
     terms = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        aligner = KernelAligner(rad, target, mu=0.8, refresh=refresh, forward_batch_size=64, bn_mode="train",
-                                forward_dtype=dtype, channels_last=dtype is not None, **extra)
+        aligner = KernelAligner(
+            rad,
+            target,
+            mu=0.8,
+            refresh=refresh,
+            forward_batch_size=64,
+            bn_mode="train",
+            forward_dtype=dtype,
+            channels_last=dtype is not None,
+            **extra,
+        )
         model.zero_grad(set_to_none=True)
         term = aligner.loss(model)
         term.backward()
@@ -328,12 +359,18 @@ def test_rad_precision_option_follows_the_local_steps_fast_path():
 
     fast = fast_path_for(torch.device("cpu"), True)
     chosen = rad_precision(tiny(**{"train.fast_path": True}), {"rad_precision": "train"}, "cpu")
-    assert chosen == {"forward_dtype": torch.bfloat16 if fast.autocast_dtype == torch.bfloat16 else None,
-                      "channels_last": fast.channels_last}
+    assert chosen == {
+        "forward_dtype": torch.bfloat16 if fast.autocast_dtype == torch.bfloat16 else None,
+        "channels_last": fast.channels_last,
+    }
     assert rad_precision(tiny(**{"train.fast_path": False}), {"rad_precision": "train"}, "cpu") == {
-        "forward_dtype": None, "channels_last": False}
+        "forward_dtype": None,
+        "channels_last": False,
+    }
     assert rad_precision(tiny(**{"train.fast_path": True}), {"rad_precision": "fp32"}, "cpu") == {
-        "forward_dtype": None, "channels_last": False}
+        "forward_dtype": None,
+        "channels_last": False,
+    }
     assert HeteroSSFL.default_options()["rad_precision"] == "train"
     with pytest.raises(ValueError, match="rad_precision"):
         HeteroSSFL.check_options({**HeteroSSFL.default_options(), "rad_precision": "fp16"})
@@ -382,16 +419,42 @@ def test_two_clients_of_different_architectures_train_together():
     rad = public_images(cfg)
     digest = images_digest(rad)
     opts = {**OPTIONS, "rad_forward_batch": 16}
-    first = [kernel_round(cfg, client_images(cfg, pid), rad, None, None, server_round=1, partition_id=pid, lr=0.05,
-                          rad_digest=digest, options=opts) for pid in (0, 1)]
+    first = [
+        kernel_round(
+            cfg,
+            client_images(cfg, pid),
+            rad,
+            None,
+            None,
+            server_round=1,
+            partition_id=pid,
+            lr=0.05,
+            rad_digest=digest,
+            options=opts,
+        )
+        for pid in (0, 1)
+    ]
     assert [r.info["aligned"] for r in first] == [False, False]  # round 1: no K_bar yet, local SSL only
     assert "backbone.layer3.5.conv1.weight" in first[1].client_state  # ResNet-34's own weights
     assert "backbone.layer3.5.conv1.weight" not in first[0].client_state
     assert all(r.payload["values"].shape == (len(rad), len(rad)) for r in first)  # width-independent kernels
     kbar = average_kernels([(r.payload, 1.0) for r in first], len(rad))
     down = encode_kernel(kbar, "dense-fp32")
-    second = [kernel_round(cfg, client_images(cfg, pid), rad, down, first[pid].client_state, server_round=2,
-                           partition_id=pid, lr=0.05, rad_digest=digest, options=opts) for pid in (0, 1)]
+    second = [
+        kernel_round(
+            cfg,
+            client_images(cfg, pid),
+            rad,
+            down,
+            first[pid].client_state,
+            server_round=2,
+            partition_id=pid,
+            lr=0.05,
+            rad_digest=digest,
+            options=opts,
+        )
+        for pid in (0, 1)
+    ]
     for r in second:  # refresh "step": the term recomputed at every one of the round's steps
         assert r.info["aligned"] and r.info["refreshes"] == r.stats.steps == 2 and 0 < r.info["cka_start"] <= 1 + 1e-5
         assert np.isfinite(r.info["align_loss"]) and np.isfinite(r.stats.loss)
@@ -403,18 +466,39 @@ def test_two_clients_of_different_architectures_train_together():
         f = rad_term_flops(initial_client_model(cfg, pid), "predictor", (3, *rad.shape[1:3]))
         assert first[pid].stats.resources["flops_extra"] == pytest.approx(n * f["forward"])
         assert second[pid].stats.resources["flops_extra"] == pytest.approx(
-            n * f["forward"] + 2 * (n * (f["forward"] + f["backward"]) + n * f["forward"]))
+            n * f["forward"] + 2 * (n * (f["forward"] + f["backward"]) + n * f["forward"])
+        )
     assert second[1].stats.resources["flops_extra"] > second[0].stats.resources["flops_extra"]  # ResNet-34
     # No global model: each client continues from its own weights (a near-zero learning rate keeps them).
-    still = kernel_round(cfg, client_images(cfg, 1), rad, down, first[1].client_state, server_round=2,
-                         partition_id=1, lr=1e-12, rad_digest=digest, options=opts)
+    still = kernel_round(
+        cfg,
+        client_images(cfg, 1),
+        rad,
+        down,
+        first[1].client_state,
+        server_round=2,
+        partition_id=1,
+        lr=1e-12,
+        rad_digest=digest,
+        options=opts,
+    )
     key = "backbone.layer3.5.conv1.weight"
     np.testing.assert_allclose(still.client_state[key], first[1].client_state[key], atol=1e-9)
     fresh = state_to_numpy(initial_client_model(cfg, 1).state_dict())[key]
     assert np.abs(first[1].client_state[key] - fresh).max() > 1e-6
     with pytest.raises(PublicSetMismatch, match="public set mismatch"):
-        kernel_round(cfg, client_images(cfg, 0), rad, None, None, server_round=1, partition_id=0, lr=0.05,
-                     rad_digest="0" * 64, options=opts)
+        kernel_round(
+            cfg,
+            client_images(cfg, 0),
+            rad,
+            None,
+            None,
+            server_round=1,
+            partition_id=0,
+            lr=0.05,
+            rad_digest="0" * 64,
+            options=opts,
+        )
 
 
 def test_local_strategy_runs_mixed_architectures_from_their_own_initial_models(tmp_path):
@@ -422,10 +506,11 @@ def test_local_strategy_runs_mixed_architectures_from_their_own_initial_models(t
     strategy = Local(clients={0: 10, 1: 11}, clients_per_round=2, state_dir=str(tmp_path))
     strategy.prepare(cfg, None, None)
     initial = to_array_record({"backbone.w": np.zeros(2, np.float32)})
-    assert record_names(strategy.arrays_for_client(1, 0, initial)) == ["backbone.w"]  # ResNet-18 = model.arch: the shared initial model
+    assert record_names(strategy.arrays_for_client(1, 0, initial)) == [
+        "backbone.w"
+    ]  # ResNet-18 = model.arch: the shared initial model
     assert len(strategy.arrays_for_client(1, 1, initial)) == 0  # ResNet-34 builds its own
-    res = train_local_ssl(cfg, client_images(cfg, 1), {}, None, server_round=1, partition_id=1, lr=1e-12,
-                          rule="local")
+    res = train_local_ssl(cfg, client_images(cfg, 1), {}, None, server_round=1, partition_id=1, lr=1e-12, rule="local")
     key = "backbone.layer3.5.conv1.weight"
     expected = state_to_numpy(initial_client_model(cfg, 1).state_dict())[key]
     np.testing.assert_allclose(res.shared_state[key], expected, atol=1e-9)
@@ -437,9 +522,16 @@ class LoopbackGrid:
 
     def __init__(self, nodes: dict[int, int], fail: set[int] = frozenset()):
         self.nodes = nodes  # node id -> partition id
-        self.contexts = {node: Context(run_id=1, node_id=node, node_config={"partition-id": pid, "num-partitions":
-                                                                            len(nodes)}, state=RecordDict(),
-                                       run_config={}) for node, pid in nodes.items()}
+        self.contexts = {
+            node: Context(
+                run_id=1,
+                node_id=node,
+                node_config={"partition-id": pid, "num-partitions": len(nodes)},
+                state=RecordDict(),
+                run_config={},
+            )
+            for node, pid in nodes.items()
+        }
         self.sent: list[Message] = []
 
     def get_node_ids(self):
@@ -452,26 +544,42 @@ class LoopbackGrid:
 
 
 def kernel_reply(request, pid, kernel, num_examples=50):
-    return Message(RecordDict({KERNEL_RECORD: to_array_record(encode_kernel(kernel, "dense-fp32")),
-                               "metrics": MetricRecord({"partition-id": pid, "num-examples": num_examples,
-                                                        "train_loss": 1.0, "train_s": 0.1})}), reply_to=request)
+    return Message(
+        RecordDict(
+            {
+                KERNEL_RECORD: to_array_record(encode_kernel(kernel, "dense-fp32")),
+                "metrics": MetricRecord(
+                    {"partition-id": pid, "num-examples": num_examples, "train_loss": 1.0, "train_s": 0.1}
+                ),
+            }
+        ),
+        reply_to=request,
+    )
 
 
 def make_strategy(cfg, tmp_path, clients, per_round, **options):
     data = load_dataset("synthetic", synthetic_sizes=(200, 40, 10))
-    strategy = HeteroSSFL(clients=clients, clients_per_round=per_round, seed=3, options={**OPTIONS, **options},
-                          state_dir=str(tmp_path), round_config=lambda r: {"lr": 0.05})
+    strategy = HeteroSSFL(
+        clients=clients,
+        clients_per_round=per_round,
+        seed=3,
+        options={**OPTIONS, **options},
+        state_dir=str(tmp_path),
+        round_config=lambda r: {"lr": 0.05},
+    )
     strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
     return strategy
 
 
 @pytest.mark.parametrize("weights", ["uniform", "data_size"])
 def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participation(identity, tmp_path, weights):
-    cfg = tiny(**{"federation.num_clients": 4, "model.client_archs": ["resnet18", "resnet34"] * 2,
-                  "data.public_size": 6})
+    cfg = tiny(
+        **{"federation.num_clients": 4, "model.client_archs": ["resnet18", "resnet34"] * 2, "data.public_size": 6}
+    )
     nodes = {100 + pid: pid for pid in range(4)}
-    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, kernel_weights=weights,
-                             initial_kernels="none")
+    strategy = make_strategy(
+        cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, kernel_weights=weights, initial_kernels="none"
+    )
 
     class Grid:
         def get_node_ids(self):
@@ -487,8 +595,9 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
             w = {pid: (1.0 if weights == "uniform" else n) for pid, (_, n) in latest.items()}
             expected = sum(w[pid] * k for pid, (k, _) in latest.items()) / sum(w.values())
             for m in msgs:
-                torch.testing.assert_close(decode_kernel(from_array_record(m.content["arrays"]), 6), expected,
-                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    decode_kernel(from_array_record(m.content["arrays"]), 6), expected, rtol=1e-5, atol=1e-5
+                )
         else:
             assert all(len(m.content["arrays"]) == 0 for m in msgs)  # round 1: nothing to align to yet
         chosen = [nodes[m.metadata.dst_node_id] for m in msgs]
@@ -516,12 +625,18 @@ def test_kbar_averages_the_latest_kernel_of_every_client_under_partial_participa
 
 @pytest.mark.parametrize("state", ["memory", "disk", "server"])
 def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_path, state):
-    cfg = tiny(**{"federation.num_clients": 3, "model.client_archs": ["resnet18", "resnet34", "resnet18"],
-                  "strategy.options": {**OPTIONS, "client_state": state, "rad_forward_batch": 16}})
+    cfg = tiny(
+        **{
+            "federation.num_clients": 3,
+            "model.client_archs": ["resnet18", "resnet34", "resnet18"],
+            "strategy.options": {**OPTIONS, "client_state": state, "rad_forward_batch": 16},
+        }
+    )
     nodes = {200 + pid: pid for pid in range(3)}
     grid = LoopbackGrid(nodes)
-    strategy = make_strategy(cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, client_state=state,
-                             rad_forward_batch=16)
+    strategy = make_strategy(
+        cfg, tmp_path, {pid: node for node, pid in nodes.items()}, 2, client_state=state, rad_forward_batch=16
+    )
     base = ConfigRecord({"experiment": cfg.to_json()})
     for rnd in (1, 2):
         msgs = list(strategy.configure_train(rnd, to_array_record({}), base, grid))
@@ -554,8 +669,9 @@ def test_round_trip_through_the_client_app_and_encoder_queries(identity, tmp_pat
         assert model.arch == cfg.client_arch(pid)
         keys = record_names(model.arrays)
         assert keys and all(k.startswith("backbone.") for k in keys)
-    extras = strategy.summary_extras({f"client_{pid}": {"knn_acc": 0.1 * (pid + 1), "linear_probe_acc": None}
-                                      for pid in trained})
+    extras = strategy.summary_extras(
+        {f"client_{pid}": {"knn_acc": 0.1 * (pid + 1), "linear_probe_acc": None} for pid in trained}
+    )
     assert extras["client_archs"] == ["resnet18", "resnet34", "resnet18"]
     assert extras["eval_bytes_up_total"] == record["eval_bytes_up"]
     by_arch = extras["scores_by_arch"]
@@ -582,12 +698,17 @@ def test_round_one_aligns_to_kbar0_of_the_initial_models(identity, tmp_path, ini
     assert sorted(m.metadata.dst_node_id for m in queries) == [300, 301]
     by_hand = []
     for pid in (0, 1):  # batch statistics per 16-image chunk (bn_mode train, rad_forward_batch 16)
-        k = client_kernel(rad_representations(initial_client_model(cfg, pid), rad, "predictor", bn_mode="train",
-                                              batch_size=16))
+        k = client_kernel(
+            rad_representations(initial_client_model(cfg, pid), rad, "predictor", bn_mode="train", batch_size=16)
+        )
         by_hand.append(normalize_kernel(k, "frobenius"))
     for m in msgs:
-        torch.testing.assert_close(decode_kernel(from_array_record(m.content["arrays"]), len(rad)),
-                                   (by_hand[0] + by_hand[1]) / 2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            decode_kernel(from_array_record(m.content["arrays"]), len(rad)),
+            (by_hand[0] + by_hand[1]) / 2,
+            rtol=1e-4,
+            atol=1e-5,
+        )
     replies = grid.send_and_receive(msgs)
     strategy.aggregate_train(1, replies)
     record = strategy.round_records[1]
@@ -599,10 +720,14 @@ def test_round_one_aligns_to_kbar0_of_the_initial_models(identity, tmp_path, ini
 
 def test_a_client_without_state_refuses_the_encoder_query(identity):
     cfg = tiny()
-    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})
-    msg = Message(RecordDict({"config": ConfigRecord({"experiment": cfg.to_json(), "client-state": "memory"})}),
-                  dst_node_id=5, message_type="query.encoder")
+    ctx = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
+    msg = Message(
+        RecordDict({"config": ConfigRecord({"experiment": cfg.to_json(), "client-state": "memory"})}),
+        dst_node_id=5,
+        message_type="query.encoder",
+    )
     with pytest.raises(RuntimeError, match="client 0 has no encoder yet"):  # an error reply in a real run
         app(msg, ctx)
 
@@ -621,26 +746,42 @@ def test_config_checks_name_the_key(tmp_path):
     assert cfg.strategy.options["refresh"] == "step" and cfg.strategy.options["mu"] == 0.5
     assert cfg.strategy.options["kernel_normalization"] == "frobenius"
     assert cfg.strategy.options["initial_kernels"] == "query" and cfg.strategy.options["bn_mode"] == "train"
-    cases = [({"data": {**base["data"], "public_size": 0}}, r"^data.public_size: Hetero-SSFL needs the RAD"),
-             ({"strategy": {"name": "heterossfl", "options": {"refresh": "sometimes"}}}, r"^strategy.options.refresh"),
-             ({"strategy": {"name": "heterossfl", "options": {"mu": -1.0}}}, r"^strategy.options.mu: must be >= 0"),
-             ({"strategy": {"name": "heterossfl", "options": {"update_both": True}}}, r"^strategy.options.update_both"),
-             ({"strategy": {"name": "heterossfl", "options": {"aggregate_target": True}}},
-              r"^strategy.options.aggregate_target: not supported by strategy 'heterossfl'"),
-             ({"strategy": {"name": "heterossfl", "options": {"rad_batch_size": 2}}}, r"^strategy.options.rad_batch"),
-             ({"strategy": {"name": "heterossfl", "options": {"kernel_encoding": "int8"}}},
-              r"^strategy.options.kernel_encoding"),
-             ({"strategy": {"name": "heterossfl", "options": {"kernel_normalization": "l1"}}},
-              r"^strategy.options.kernel_normalization"),
-             ({"strategy": {"name": "heterossfl", "options": {"bn_mode": "frozen"}}}, r"^strategy.options.bn_mode"),
-             ({"strategy": {"name": "heterossfl", "options": {"initial_kernels": "zero"}}},
-              r"^strategy.options.initial_kernels"),
-             ({"model": {**base["model"], "client_arch_pool": ["resnet18", "resnet34"]}},
-              r"^model.client_arch_pool: cannot be combined"),
-             ({"model": {"arch": "resnet18", "client_arch_pool": ["resnet18", "resnet99"]}},
-              r"^model.client_arch_pool: unknown architecture 'resnet99'"),
-             ({"strategy": {"name": "fedssl"}, "model": {"arch": "resnet18", "client_arch_pool": ["resnet34"]}},
-              r"^model.client_archs: strategy 'fedssl' averages weights")]
+    cases = [
+        ({"data": {**base["data"], "public_size": 0}}, r"^data.public_size: Hetero-SSFL needs the RAD"),
+        ({"strategy": {"name": "heterossfl", "options": {"refresh": "sometimes"}}}, r"^strategy.options.refresh"),
+        ({"strategy": {"name": "heterossfl", "options": {"mu": -1.0}}}, r"^strategy.options.mu: must be >= 0"),
+        ({"strategy": {"name": "heterossfl", "options": {"update_both": True}}}, r"^strategy.options.update_both"),
+        (
+            {"strategy": {"name": "heterossfl", "options": {"aggregate_target": True}}},
+            r"^strategy.options.aggregate_target: not supported by strategy 'heterossfl'",
+        ),
+        ({"strategy": {"name": "heterossfl", "options": {"rad_batch_size": 2}}}, r"^strategy.options.rad_batch"),
+        (
+            {"strategy": {"name": "heterossfl", "options": {"kernel_encoding": "int8"}}},
+            r"^strategy.options.kernel_encoding",
+        ),
+        (
+            {"strategy": {"name": "heterossfl", "options": {"kernel_normalization": "l1"}}},
+            r"^strategy.options.kernel_normalization",
+        ),
+        ({"strategy": {"name": "heterossfl", "options": {"bn_mode": "frozen"}}}, r"^strategy.options.bn_mode"),
+        (
+            {"strategy": {"name": "heterossfl", "options": {"initial_kernels": "zero"}}},
+            r"^strategy.options.initial_kernels",
+        ),
+        (
+            {"model": {**base["model"], "client_arch_pool": ["resnet18", "resnet34"]}},
+            r"^model.client_arch_pool: cannot be combined",
+        ),
+        (
+            {"model": {"arch": "resnet18", "client_arch_pool": ["resnet18", "resnet99"]}},
+            r"^model.client_arch_pool: unknown architecture 'resnet99'",
+        ),
+        (
+            {"strategy": {"name": "fedssl"}, "model": {"arch": "resnet18", "client_arch_pool": ["resnet34"]}},
+            r"^model.client_archs: strategy 'fedssl' averages weights",
+        ),
+    ]
     for change, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_experiment(write(tmp_path, {**base, **change}))
@@ -648,8 +789,9 @@ def test_config_checks_name_the_key(tmp_path):
 
 def test_architectures_drawn_from_the_pool_with_the_seed():
     def archs(seed):
-        cfg = ExperimentConfig.from_dict({"seed": seed, "federation": {"num_clients": 20},
-                                          "model": {"client_arch_pool": ["resnet18", "resnet34"]}})
+        cfg = ExperimentConfig.from_dict(
+            {"seed": seed, "federation": {"num_clients": 20}, "model": {"client_arch_pool": ["resnet18", "resnet34"]}}
+        )
         return [cfg.client_arch(i) for i in range(20)]
 
     assert archs(0) == archs(0)  # the server and every client draw the same list
@@ -664,15 +806,44 @@ def test_without_alignment_a_client_trains_exactly_as_local_ssl():
     rad = public_images(cfg)
     opts = {**OPTIONS, "mu": 0.0, "rad_forward_batch": 16}
     for pid in (0, 1):
-        hetero = kernel_round(cfg, client_images(cfg, pid), rad, None, None, server_round=1, partition_id=pid, lr=0.05,
-                              rad_digest=images_digest(rad), options=opts)
+        hetero = kernel_round(
+            cfg,
+            client_images(cfg, pid),
+            rad,
+            None,
+            None,
+            server_round=1,
+            partition_id=pid,
+            lr=0.05,
+            rad_digest=images_digest(rad),
+            options=opts,
+        )
         kbar = encode_kernel(decode_kernel(hetero.payload, len(rad)), "dense-fp32")
-        hetero = kernel_round(cfg, client_images(cfg, pid), rad, kbar, hetero.client_state, server_round=2,
-                              partition_id=pid, lr=0.05, rad_digest=images_digest(rad), options=opts)
-        local = train_local_ssl(cfg, client_images(cfg, pid), {}, None, server_round=1, partition_id=pid, lr=0.05,
-                                rule="local")
-        local = train_local_ssl(cfg, client_images(cfg, pid), {}, local.client_state, server_round=2,
-                                partition_id=pid, lr=0.05, rule="local")
+        hetero = kernel_round(
+            cfg,
+            client_images(cfg, pid),
+            rad,
+            kbar,
+            hetero.client_state,
+            server_round=2,
+            partition_id=pid,
+            lr=0.05,
+            rad_digest=images_digest(rad),
+            options=opts,
+        )
+        local = train_local_ssl(
+            cfg, client_images(cfg, pid), {}, None, server_round=1, partition_id=pid, lr=0.05, rule="local"
+        )
+        local = train_local_ssl(
+            cfg,
+            client_images(cfg, pid),
+            {},
+            local.client_state,
+            server_round=2,
+            partition_id=pid,
+            lr=0.05,
+            rule="local",
+        )
         assert not hetero.info["aligned"]
         for key, value in local.local_state.items():
             np.testing.assert_allclose(hetero.client_state[key], value, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -57,8 +57,13 @@ def task_identity():
 
 
 def experiment(variant: str = "lwfedssl", **overrides):
-    run_config = {"config": SMOKE, "data.dataset": "synthetic", "data.synthetic_train": 300, "strategy.name": variant,
-                  **overrides}
+    run_config = {
+        "config": SMOKE,
+        "data.dataset": "synthetic",
+        "data.synthetic_train": 300,
+        "strategy.name": variant,
+        **overrides,
+    }
     return load_experiment(run_config)[0]
 
 
@@ -110,27 +115,48 @@ def test_learning_rate_strategies():
     assert [round_lr(base, r, counts, "cyclic") for r in range(1, 6)] == pytest.approx(cyclic)
     cfg = experiment(**{"train.lr_schedule": "cosine"})
     assert [round_lr(cfg.train.lr, r, [2, 2, 2], "cosine") for r in range(1, 7)] == pytest.approx(
-        [cfg.round_lr(r) for r in range(1, 7)])  # the run-config cosine, unchanged
+        [cfg.round_lr(r) for r in range(1, 7)]
+    )  # the run-config cosine, unchanged
 
 
 # ---------------------------------------------------------------------- what belongs to what; growth and freezing
 
 
 def test_key_ownership():
-    keys = ["backbone.cls_token", "backbone.pos_embed", "backbone.patch_embed.weight", "backbone.patch_embed.bias",
-            *(f"backbone.blocks.{i}.mlp.fc1.weight" for i in range(11)), "backbone.norm.weight", "projector.0.weight",
-            "predictor.0.weight", "target_backbone.blocks.0.mlp.fc1.weight", "target_projector.0.weight"]
+    keys = [
+        "backbone.cls_token",
+        "backbone.pos_embed",
+        "backbone.patch_embed.weight",
+        "backbone.patch_embed.bias",
+        *(f"backbone.blocks.{i}.mlp.fc1.weight" for i in range(11)),
+        "backbone.norm.weight",
+        "projector.0.weight",
+        "predictor.0.weight",
+        "target_backbone.blocks.0.mlp.fc1.weight",
+        "target_projector.0.weight",
+    ]
     state = {k: None for k in keys}
     heads = ("projector.", "predictor.")
     stage1 = list(select(state, trained_prefixes(1, "last_block", heads)))
-    assert stage1 == keys[:4] + ["backbone.blocks.0.mlp.fc1.weight", "backbone.norm.weight", "projector.0.weight",
-                                 "predictor.0.weight"]
+    assert stage1 == keys[:4] + [
+        "backbone.blocks.0.mlp.fc1.weight",
+        "backbone.norm.weight",
+        "projector.0.weight",
+        "predictor.0.weight",
+    ]
     stage2 = list(select(state, trained_prefixes(2, "last_block", heads)))  # blocks.1 is not blocks.10
-    assert stage2 == ["backbone.blocks.1.mlp.fc1.weight", "backbone.norm.weight", "projector.0.weight",
-                      "predictor.0.weight"]
+    assert stage2 == [
+        "backbone.blocks.1.mlp.fc1.weight",
+        "backbone.norm.weight",
+        "projector.0.weight",
+        "predictor.0.weight",
+    ]
     assert list(select(state, trained_prefixes(2, "all", heads))) == list(select(state, submodel_prefixes(2, heads)))
-    assert list(select(state, submodel_prefixes(2, heads))) == keys[:6] + ["backbone.norm.weight",
-                                                                             "projector.0.weight", "predictor.0.weight"]
+    assert list(select(state, submodel_prefixes(2, heads))) == keys[:6] + [
+        "backbone.norm.weight",
+        "projector.0.weight",
+        "predictor.0.weight",
+    ]
 
 
 def test_growth_copies_or_initialises_the_new_block_and_leaves_the_rest():
@@ -146,7 +172,9 @@ def test_growth_copies_or_initialises_the_new_block_and_leaves_the_rest():
     fresh = grow_online_state(cfg, state, "fresh", seed=5)
     assert not np.array_equal(fresh["backbone.blocks.2.attn.qkv.weight"], state["backbone.blocks.1.attn.qkv.weight"])
     again = grow_online_state(cfg, state, "fresh", seed=5)
-    np.testing.assert_array_equal(again["backbone.blocks.2.attn.qkv.weight"], fresh["backbone.blocks.2.attn.qkv.weight"])
+    np.testing.assert_array_equal(
+        again["backbone.blocks.2.attn.qkv.weight"], fresh["backbone.blocks.2.attn.qkv.weight"]
+    )
 
 
 def gradient_owners(method) -> set[str]:
@@ -172,12 +200,23 @@ def test_layerwise_freezes_all_but_the_active_block_and_prog_trains_everything()
     stage1 = build_layerwise_model(cfg, 1, seed=0)
     configure_local_model(stage1, "last_block")
     assert {o for o in gradient_owners(stage1) if o.startswith("backbone.")} == {
-        "backbone.patch_embed", "backbone.cls_token", "backbone.pos_embed", "backbone.blocks.0", "backbone.norm"}
+        "backbone.patch_embed",
+        "backbone.cls_token",
+        "backbone.pos_embed",
+        "backbone.blocks.0",
+        "backbone.norm",
+    }
     prog = build_layerwise_model(cfg, 3, seed=0)
     configure_local_model(prog, "all")
     assert {o for o in gradient_owners(prog) if o.startswith("backbone.")} == {
-        "backbone.patch_embed", "backbone.cls_token", "backbone.pos_embed", "backbone.blocks.0", "backbone.blocks.1",
-        "backbone.blocks.2", "backbone.norm"}
+        "backbone.patch_embed",
+        "backbone.cls_token",
+        "backbone.pos_embed",
+        "backbone.blocks.0",
+        "backbone.blocks.1",
+        "backbone.blocks.2",
+        "backbone.norm",
+    }
     dd = build_layerwise_model(cfg, 3, seed=0)
     configure_local_model(dd, "last_block", depth_dropout=1.0, dropout_seed=1)
     dd.train()
@@ -195,8 +234,9 @@ def test_alignment_loss_matches_a_hand_computation():
     tau = 0.3
     expected = 0.0
     for i in range(5):
-        sims = [float(local[i] @ glob[j]) / (np.linalg.norm(local[i]) * np.linalg.norm(glob[j])) / tau
-                for j in range(5)]
+        sims = [
+            float(local[i] @ glob[j]) / (np.linalg.norm(local[i]) * np.linalg.norm(glob[j])) / tau for j in range(5)
+        ]
         expected += -sims[i] + math.log(sum(math.exp(s) for s in sims))
     expected /= 5
     value = alignment_loss(torch.tensor(local), torch.tensor(glob), tau)
@@ -270,8 +310,15 @@ class FakeGrid:
 def make_strategy(variant: str, cfg, n: int = 2, **kw):
     data = load_experiment_data(cfg)
     cls = get_strategy_class(variant)
-    strategy = cls(clients={pid: 100 + pid for pid in range(n)}, clients_per_round=n, seed=0, node_wait_s=0.0,
-                   round_config=lambda r: {"lr": cfg.round_lr(r)}, options=cfg.strategy.options, **kw)
+    strategy = cls(
+        clients={pid: 100 + pid for pid in range(n)},
+        clients_per_round=n,
+        seed=0,
+        node_wait_s=0.0,
+        round_config=lambda r: {"lr": cfg.round_lr(r)},
+        options=cfg.strategy.options,
+        **kw,
+    )
     strategy.prepare(cfg, data, federated_split(cfg, data.y_train))
     initial = build_ssl_model(cfg, seed=cfg.seed)  # what the ServerApp builds: the 12-block ViT
     arrays = to_array_record(state_to_numpy(split_state(initial, strategy.exchange_prefixes(initial))[0]))
@@ -287,8 +334,9 @@ def fake_replies(strategy, messages, failing=()):
             replies.append(Message(Error(code=0, reason="boom"), reply_to=m))
             continue
         keys = strategy.trained_keys(m.content["config"]["lw-stage"])
-        upload = OrderedDict((k, strategy.global_state[k] + np.asarray(0.01, dtype=strategy.global_state[k].dtype))
-                             for k in keys)
+        upload = OrderedDict(
+            (k, strategy.global_state[k] + np.asarray(0.01, dtype=strategy.global_state[k].dtype)) for k in keys
+        )
         metrics = MetricRecord({"partition-id": pid, "num-examples": 10 + pid, "train_loss": 1.0, "train_s": 0.1})
         replies.append(Message(RecordDict({"arrays": to_array_record(upload), "metrics": metrics}), reply_to=m))
     return replies
@@ -349,16 +397,21 @@ def test_bytes_of_every_message_kind_counted_by_hand(variant):
             encoder_down = raw_bytes(select(shapes_at(cfg, s), tuple(p for p in down if p.startswith("backbone"))))
             assert client["bytes_down_encoder"] == encoder_down
             assert client["bytes_down_heads"] == by_hand(cfg, s, down) - encoder_down
-            assert client["bytes_up_encoder"] == raw_bytes(select(shapes_at(cfg, s), tuple(
-                p for p in up if p.startswith("backbone"))))
+            assert client["bytes_up_encoder"] == raw_bytes(
+                select(shapes_at(cfg, s), tuple(p for p in up if p.startswith("backbone")))
+            )
             assert client["bytes_up_encoder"] + client["bytes_up_heads"] == client["bytes_up"]
-        assert record["bytes_down"] == 2 * by_hand(cfg, s, down) == record["bytes_down_encoder"] + record[
-            "bytes_down_heads"]
+        assert (
+            record["bytes_down"]
+            == 2 * by_hand(cfg, s, down)
+            == record["bytes_down_encoder"] + record["bytes_down_heads"]
+        )
         assert record["bytes_up"] == 2 * by_hand(cfg, s, up) == record["bytes_up_encoder"] + record["bytes_up_heads"]
     assert strategy.depth == 3
     model = strategy.models_to_evaluate(arrays)["global"]
     assert model.depth == 3 and len(from_array_record(model.arrays)) == len(shapes_at(cfg, 3)) - len(
-        [k for k in shapes_at(cfg, 3) if k.startswith("target_")])
+        [k for k in shapes_at(cfg, 3) if k.startswith("target_")]
+    )
     resources = strategy.summary_extras({})["resources"]
     assert resources["run"]["bytes_down"] == sum(r["bytes_down"] for r in strategy.round_records.values())
     assert resources["per_client"]["0"]["rounds"] == 6
@@ -419,7 +472,8 @@ def test_a_client_that_missed_stages_downloads_the_whole_sub_model():
     whole = set(select(shapes_at(cfg, 3), submodel_prefixes(3, HEADS)))
     assert set(from_array_record(msgs[2].content["arrays"])) == whole
     assert set(from_array_record(msgs[0].content["arrays"])) == set(
-        select(shapes_at(cfg, 3), (block(2), block(3), "backbone.norm.") + HEADS))
+        select(shapes_at(cfg, 3), (block(2), block(3), "backbone.norm.") + HEADS)
+    )
     clients = {c["id"]: c for c in strategy.round_records[7]["clients"]}
     assert clients[2]["full_submodel_down"] and clients[2]["blocks_down"] == [1, 2, 3]
     assert not clients[0]["full_submodel_down"] and clients[0]["blocks_down"] == [2, 3]
@@ -428,12 +482,14 @@ def test_a_client_that_missed_stages_downloads_the_whole_sub_model():
     msgs, arrays = run_round(strategy, 8, arrays, everything)
     assert set(from_array_record(msgs[1].content["arrays"])) == whole
     assert set(from_array_record(msgs[0].content["arrays"])) == set(
-        select(shapes_at(cfg, 3), (block(3), "backbone.norm.") + HEADS))
+        select(shapes_at(cfg, 3), (block(3), "backbone.norm.") + HEADS)
+    )
 
 
 def test_entry_bytes_split_the_record_as_flower_counts_it():
-    state = OrderedDict([("backbone.blocks.0.w", np.zeros((3, 4), np.float32)), ("projector.0.weight",
-                                                                                  np.zeros(5, np.float32))])
+    state = OrderedDict(
+        [("backbone.blocks.0.w", np.zeros((3, 4), np.float32)), ("projector.0.weight", np.zeros(5, np.float32))]
+    )
     record = to_array_record(state)
     encoder, rest = entry_bytes(record)
     # encoder: 12 float32; the rest: 5 float32, the manifest "backbone.blocks.0.w\t<f4\t3,4\nprojector.0.weight\t<f4\t5"
@@ -449,48 +505,97 @@ def test_client_round_trains_and_uploads_only_its_part_and_reports_resources():
     cfg = experiment("lwfedssl", **{"train.max_steps_per_epoch": 1, "train.batch_size": 16})
     images = client_images(cfg, 0)
     state = online_state(build_layerwise_model(cfg, 2, seed=0))
-    plan = {"stage": 2, "trainable": "last_block", "alpha": 0.01, "align-temperature": 0.2, "accounting": True,
-            "progress-start": 0.25, "progress-end": 0.5}
+    plan = {
+        "stage": 2,
+        "trainable": "last_block",
+        "alpha": 0.01,
+        "align-temperature": 0.2,
+        "accounting": True,
+        "progress-start": 0.25,
+        "progress-end": 0.5,
+    }
     lw = layerwise_round(cfg, images, state, None, server_round=3, partition_id=0, lr=1e-3, plan=plan)
     assert list(lw.shared_state) == list(select(state, trained_prefixes(2, "last_block", HEADS)))
     for key in select(state, ("backbone.blocks.0.", "backbone.patch_embed.", "backbone.pos_embed")):
         np.testing.assert_array_equal(lw.client_state[key], state[key])  # frozen: untouched
-    assert not np.array_equal(lw.shared_state["backbone.blocks.1.attn.qkv.weight"],
-                              state["backbone.blocks.1.attn.qkv.weight"])
+    assert not np.array_equal(
+        lw.shared_state["backbone.blocks.1.attn.qkv.weight"], state["backbone.blocks.1.attn.qkv.weight"]
+    )
     assert int(lw.client_state["meta.depth"][0]) == 2 and lw.info["align_loss"] > 0
     assert lw.info["flops_align_forward"] > 0 and lw.info["mem_total"] > lw.info["mem_activations"] > 0
     assert lw.info["flops_fvcore_equivalent"] == pytest.approx(lw.info["flops_forward"] / 2)
     assert lw.info["rss_peak_bytes"] > 0 and lw.info["images_trained"] == 16
-    pure = layerwise_round(cfg, images, state, None, server_round=3, partition_id=0, lr=1e-3,
-                           plan={**plan, "alpha": 0.0})
+    pure = layerwise_round(
+        cfg, images, state, None, server_round=3, partition_id=0, lr=1e-3, plan={**plan, "alpha": 0.0}
+    )
     assert pure.info["flops_total"] == pytest.approx(lw.info["flops_total"] - lw.info["flops_align_forward"])
     assert "align_loss" not in pure.info
-    prog = layerwise_round(cfg, images, state, None, server_round=3, partition_id=0, lr=1e-3,
-                           plan={**plan, "alpha": 0.0, "trainable": "all"})
+    prog = layerwise_round(
+        cfg,
+        images,
+        state,
+        None,
+        server_round=3,
+        partition_id=0,
+        lr=1e-3,
+        plan={**plan, "alpha": 0.0, "trainable": "all"},
+    )
     assert list(prog.shared_state) == list(state)  # the whole sub-model
     assert prog.info["flops_backward"] > pure.info["flops_backward"]
     assert prog.info["mem_activations"] > pure.info["mem_activations"]
-    dd = layerwise_round(cfg, images, state, None, server_round=3, partition_id=0, lr=1e-3,
-                         plan={**plan, "alpha": 0.0, "depth-dropout": 0.5})
+    dd = layerwise_round(
+        cfg,
+        images,
+        state,
+        None,
+        server_round=3,
+        partition_id=0,
+        lr=1e-3,
+        plan={**plan, "alpha": 0.0, "depth-dropout": 0.5},
+    )
     assert dd.info["flops_total"] == pytest.approx(pure.info["flops_total"])  # measured with nothing skipped
     assert dd.info["flops_expected"] < dd.info["flops_total"]
     # Next stage: the client holds block 1 (its state) and gets blocks 2 and 3 + norm + heads.
     grown = grow_online_state(cfg, OrderedDict((k, lw.client_state[k]) for k in state), "copy", seed=0)
     download = select(grown, (block(2), block(3), "backbone.norm.") + HEADS)
-    nxt = layerwise_round(cfg, images, download, lw.client_state, server_round=5, partition_id=0, lr=1e-3,
-                          plan={**plan, "stage": 3, "accounting": False})
+    nxt = layerwise_round(
+        cfg,
+        images,
+        download,
+        lw.client_state,
+        server_round=5,
+        partition_id=0,
+        lr=1e-3,
+        plan={**plan, "stage": 3, "accounting": False},
+    )
     assert list(nxt.shared_state) == list(select(grown, trained_prefixes(3, "last_block", HEADS)))
     with pytest.raises(RuntimeError, match="lacks"):  # neither its state nor the download holds block 1
-        layerwise_round(cfg, images, download, None, server_round=5, partition_id=0, lr=1e-3,
-                        plan={**plan, "stage": 3, "accounting": False})
+        layerwise_round(
+            cfg,
+            images,
+            download,
+            None,
+            server_round=5,
+            partition_id=0,
+            lr=1e-3,
+            plan={**plan, "stage": 3, "accounting": False},
+        )
 
 
 def test_fll_dd_runs_simclr_layer_by_layer_as_its_paper():
     """configs/lwfedssl/fll-dd.yaml: SimCLR (no predictor, no momentum encoder) on the growable ViT, depth dropout of
     the frozen blocks, block s + norm + projector up."""
-    cfg = load_experiment({"config": "configs/lwfedssl/fll-dd.yaml", "data.dataset": "synthetic",
-                           "data.synthetic_train": 200, "model.width": 0.125, "train.batch_size": 8,
-                           "train.max_steps_per_epoch": 1, "train.local_epochs": 1})[0]
+    cfg = load_experiment(
+        {
+            "config": "configs/lwfedssl/fll-dd.yaml",
+            "data.dataset": "synthetic",
+            "data.synthetic_train": 200,
+            "model.width": 0.125,
+            "train.batch_size": 8,
+            "train.max_steps_per_epoch": 1,
+            "train.local_epochs": 1,
+        }
+    )[0]
     assert cfg.method.name == "simclr" and cfg.strategy.name == "fll_dd"
     state = online_state(build_layerwise_model(cfg, 2, seed=0))
     assert {k.split(".")[0] for k in state} == {"backbone", "projector"}
@@ -501,9 +606,17 @@ def test_fll_dd_runs_simclr_layer_by_layer_as_its_paper():
 
 
 def test_fedmocov3_is_fedssl_with_mocov3_on_the_whole_vit_of_its_config():
-    cfg = load_experiment({"config": "configs/lwfedssl/cpu-compare-fedmocov3.yaml", "data.dataset": "synthetic",
-                           "data.synthetic_train": 200, "data.max_train": 0, "train.max_steps_per_epoch": 1,
-                           "model.width": 0.125, "train.batch_size": 8})[0]
+    cfg = load_experiment(
+        {
+            "config": "configs/lwfedssl/cpu-compare-fedmocov3.yaml",
+            "data.dataset": "synthetic",
+            "data.synthetic_train": 200,
+            "data.max_train": 0,
+            "train.max_steps_per_epoch": 1,
+            "model.width": 0.125,
+            "train.batch_size": 8,
+        }
+    )[0]
     assert cfg.strategy.name == "fedssl" and cfg.method.name == "mocov3"
     method = build_ssl_model(cfg, seed=0)
     shared = state_to_numpy(split_state(method, method.shared_prefixes())[0])
@@ -516,14 +629,20 @@ def test_fedmocov3_is_fedssl_with_mocov3_on_the_whole_vit_of_its_config():
     # config's update_both), not from the client's own last target, which it otherwise keeps.
     assert cfg.strategy.options["update_both"]
     received = {k: v + np.float32(0.5) if v.dtype.kind == "f" else v for k, v in shared.items()}
-    own_target = {f"target_{k}": v - np.float32(0.5) if v.dtype.kind == "f" else v
-                  for k, v in shared.items() if k.startswith(("backbone.", "projector."))}
+    own_target = {
+        f"target_{k}": v - np.float32(0.5) if v.dtype.kind == "f" else v
+        for k, v in shared.items()
+        if k.startswith(("backbone.", "projector."))
+    }
     own = {**result.local_state, **own_target}
-    for update_both, expected in ((True, received), (False, {k[len("target_"):]: v for k, v in own_target.items()})):
+    for update_both, expected in ((True, received), (False, {k[len("target_") :]: v for k, v in own_target.items()})):
         client = build_ssl_model(cfg, seed=0)
         fedssl_download(client, received, own, 2, {"update_both": update_both})
-        target = {k[len("target_"):]: v for k, v in state_to_numpy(client.state_dict()).items()
-                  if k.startswith(TARGET_PREFIXES)}
+        target = {
+            k[len("target_") :]: v
+            for k, v in state_to_numpy(client.state_dict()).items()
+            if k.startswith(TARGET_PREFIXES)
+        }
         assert target
         for key, value in target.items():
             if value.dtype.kind == "f":
@@ -541,8 +660,9 @@ def test_grown_encoder_is_evaluated_and_checkpointed_at_its_depth(tmp_path):
     evaluator = ServerEvaluator(cfg)
     backbone = evaluator.load(ModelToEvaluate("vit_tiny", to_array_record(state), depth=3))
     assert len(backbone.blocks) == 3
-    np.testing.assert_array_equal(backbone.state_dict()["blocks.2.attn.qkv.weight"].numpy(),
-                                  state["backbone.blocks.2.attn.qkv.weight"])
+    np.testing.assert_array_equal(
+        backbone.state_dict()["blocks.2.attn.qkv.weight"].numpy(), state["backbone.blocks.2.attn.qkv.weight"]
+    )
     path = save_encoder_checkpoint(tmp_path / "model.pt", backbone, "vit_tiny", cfg.model.width)
     loaded, info = load_encoder_checkpoint(path)
     assert info["arch_options"] == {"depth": 3} and len(loaded.blocks) == 3
@@ -558,24 +678,31 @@ def test_grown_encoder_is_evaluated_and_checkpointed_at_its_depth(tmp_path):
 
 def test_registry_and_variants():
     assert {name: get_strategy_class(name) for name in ("lwfedssl", "fedmoco_lw", "prog_fedssl", "fll_dd")} == {
-        "lwfedssl": LWFedSSL, "fedmoco_lw": FedMoCoLW, "prog_fedssl": ProgFedSSL, "fll_dd": FLLDD}
+        "lwfedssl": LWFedSSL,
+        "fedmoco_lw": FedMoCoLW,
+        "prog_fedssl": ProgFedSSL,
+        "fll_dd": FLLDD,
+    }
     assert ProgFedSSL.trainable_mode == "all" and FedMoCoLW.trainable_mode == "last_block"
     assert FLLDD.default_options()["depth_dropout"] == 0.5 and LWFedSSL.default_options()["alpha"] == 0.01
 
 
-@pytest.mark.parametrize(("variant", "options", "match"), [
-    ("lwfedssl", {"stages": 0}, r"strategy\.options\.stages: must be an integer >= 1"),
-    ("fedmoco_lw", {"allocation": "skewed"}, r"strategy\.options\.allocation: must be one of"),
-    ("prog_fedssl", {"new_block_init": "zeros"}, r"strategy\.options\.new_block_init: must be one of"),
-    ("fll_dd", {"lr_strategy": "step"}, r"strategy\.options\.lr_strategy: must be one of"),
-    ("fll_dd", {"depth_dropout": 1.5}, r"strategy\.options\.depth_dropout: must be in \[0, 1\]"),
-    ("lwfedssl", {"alpha": -0.1}, r"strategy\.options\.alpha: must be >= 0"),
-    ("lwfedssl", {"align_temperature": 0.0}, r"strategy\.options\.align_temperature: must be > 0"),
-    ("lwfedssl", {"calibration_epochs": -1}, r"strategy\.options\.calibration_epochs: must be an integer >= 0"),
-    ("lwfedssl", {"calibration_batch_size": 1}, r"strategy\.options\.calibration_batch_size: must be 0"),
-    ("fedmoco_lw", {"client_target": "ema"}, r"strategy\.options\.client_target: must be one of"),
-    ("fedmoco_lw", {"update_both": True}, r"strategy\.options\.update_both: not supported"),
-])
+@pytest.mark.parametrize(
+    ("variant", "options", "match"),
+    [
+        ("lwfedssl", {"stages": 0}, r"strategy\.options\.stages: must be an integer >= 1"),
+        ("fedmoco_lw", {"allocation": "skewed"}, r"strategy\.options\.allocation: must be one of"),
+        ("prog_fedssl", {"new_block_init": "zeros"}, r"strategy\.options\.new_block_init: must be one of"),
+        ("fll_dd", {"lr_strategy": "step"}, r"strategy\.options\.lr_strategy: must be one of"),
+        ("fll_dd", {"depth_dropout": 1.5}, r"strategy\.options\.depth_dropout: must be in \[0, 1\]"),
+        ("lwfedssl", {"alpha": -0.1}, r"strategy\.options\.alpha: must be >= 0"),
+        ("lwfedssl", {"align_temperature": 0.0}, r"strategy\.options\.align_temperature: must be > 0"),
+        ("lwfedssl", {"calibration_epochs": -1}, r"strategy\.options\.calibration_epochs: must be an integer >= 0"),
+        ("lwfedssl", {"calibration_batch_size": 1}, r"strategy\.options\.calibration_batch_size: must be 0"),
+        ("fedmoco_lw", {"client_target": "ema"}, r"strategy\.options\.client_target: must be one of"),
+        ("fedmoco_lw", {"update_both": True}, r"strategy\.options\.update_both: not supported"),
+    ],
+)
 def test_option_errors_name_the_key(variant, options, match):
     cls = get_strategy_class(variant)
     with pytest.raises(ValueError, match=match):
@@ -592,16 +719,20 @@ def smoke_with(tmp_path, **dotted) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    ({"model.arch": "resnet18"}, r"^model\.arch: strategy 'lwfedssl' grows a ViT"),
-    ({"rounds": 2}, r"^rounds: 2 rounds cannot hold strategy\.options\.stages=3"),
-    ({"data.public_size": 0.0}, r"^data\.public_size: LW-FedSSL calibrates on the server's auxiliary data"),
-    ({"strategy.name": "fedmoco_lw", "strategy.options.alpha": 0.1},
-     r"^strategy\.options\.alpha: unknown option"),
-    ({"strategy.options.stages": 3.0}, r"^strategy\.options\.stages: expected int"),
-    ({"strategy.name": "fll_dd", "strategy.options.depth_dropout": 2.0},
-     r"^strategy\.options\.depth_dropout: must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"model.arch": "resnet18"}, r"^model\.arch: strategy 'lwfedssl' grows a ViT"),
+        ({"rounds": 2}, r"^rounds: 2 rounds cannot hold strategy\.options\.stages=3"),
+        ({"data.public_size": 0.0}, r"^data\.public_size: LW-FedSSL calibrates on the server's auxiliary data"),
+        ({"strategy.name": "fedmoco_lw", "strategy.options.alpha": 0.1}, r"^strategy\.options\.alpha: unknown option"),
+        ({"strategy.options.stages": 3.0}, r"^strategy\.options\.stages: expected int"),
+        (
+            {"strategy.name": "fll_dd", "strategy.options.depth_dropout": 2.0},
+            r"^strategy\.options\.depth_dropout: must be in \[0, 1\]",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_experiment({"config": str(smoke_with(tmp_path, **overrides)), "data.dataset": "synthetic"})
@@ -629,18 +760,28 @@ def test_every_lwfedssl_config_loads_and_states_its_scale(path):
     else:
         cls = get_strategy_class(cfg.strategy.name)
         assert cfg.rounds >= cfg.strategy.options["stages"]
-        assert sum(stage_rounds(cfg.rounds, cfg.strategy.options["stages"], cfg.strategy.options["allocation"])) == \
-            cfg.rounds
+        assert (
+            sum(stage_rounds(cfg.rounds, cfg.strategy.options["stages"], cfg.strategy.options["allocation"]))
+            == cfg.rounds
+        )
         assert cls in (LWFedSSL, FedMoCoLW, ProgFedSSL, FLLDD)
 
 
 def test_main_comparison_holds_the_papers_settings():
-    main = {p.stem: load_experiment({"config": str(p)})[0] for p in (REPO / "configs/lwfedssl").glob("*.yaml")
-            if not p.stem.startswith("cpu-compare")}
+    main = {
+        p.stem: load_experiment({"config": str(p)})[0]
+        for p in (REPO / "configs/lwfedssl").glob("*.yaml")
+        if not p.stem.startswith("cpu-compare")
+    }
     assert sorted(main) == ["fedmoco-lw", "fedmocov3", "fll-dd", "lwfedssl", "prog-fedssl"]
     for name, cfg in main.items():
         batch = 512 if name == "fll-dd" else 1024  # FLL+DD: SimCLR at batch 512, as its paper
-        assert (cfg.federation.num_clients, cfg.rounds, cfg.train.batch_size, cfg.train.local_epochs) == (10, 180, batch, 3)
+        assert (cfg.federation.num_clients, cfg.rounds, cfg.train.batch_size, cfg.train.local_epochs) == (
+            10,
+            180,
+            batch,
+            3,
+        )
         assert cfg.train.lr == pytest.approx(1.5e-4 * batch / 256) and cfg.train.optimizer == "adamw"
         assert cfg.train.weight_decay == pytest.approx(1e-5)
         assert cfg.method.options["proj_hidden_dim"] == 4096 and cfg.method.options["proj_out_dim"] == 256
@@ -655,6 +796,7 @@ def test_main_comparison_holds_the_papers_settings():
     assert main["lwfedssl"].strategy.options["calibration_epochs"] is None  # = the 3 local epochs
     assert main["fll-dd"].strategy.options["depth_dropout"] == 0.5
     assert main["fedmocov3"].strategy.name == "fedssl"
+
     def study(name):
         return study_experiments(f"paper/lwfedssl-{name}").values()
 
@@ -674,28 +816,42 @@ def test_main_comparison_holds_the_papers_settings():
 
 
 def test_client_target_keep_carries_the_momentum_encoder_and_reset_restarts_it(tmp_path):
-    path = smoke_with(tmp_path, **{"method.options.momentum": 1.0, "train.max_steps_per_epoch": 1,
-                                   "train.batch_size": 8})  # m = 1: the target never moves, so it shows its origin
+    path = smoke_with(
+        tmp_path, **{"method.options.momentum": 1.0, "train.max_steps_per_epoch": 1, "train.batch_size": 8}
+    )  # m = 1: the target never moves, so it shows its origin
     cfg = load_experiment({"config": str(path), "data.dataset": "synthetic", "data.synthetic_train": 300})[0]
     images = client_images(cfg, 0)
     plan = {"stage": 1, "trainable": "last_block", "accounting": False, "client-target": "keep"}
     start = online_state(build_layerwise_model(cfg, 1, seed=0))
     first = layerwise_round(cfg, images, start, None, server_round=1, partition_id=0, lr=1e-3, plan=plan)
-    np.testing.assert_array_equal(first.client_state["target_backbone.blocks.0.mlp.fc1.weight"],
-                                  start["backbone.blocks.0.mlp.fc1.weight"])  # first round: a copy of the download
+    np.testing.assert_array_equal(
+        first.client_state["target_backbone.blocks.0.mlp.fc1.weight"], start["backbone.blocks.0.mlp.fc1.weight"]
+    )  # first round: a copy of the download
     grown = grow_online_state(cfg, start, "copy", seed=0)  # a "global" stage-2 model unlike the client's
     download = select(grown, submodel_prefixes(2, HEADS))
     for key in download:
         if download[key].dtype.kind == "f":
             download[key] = download[key] + np.float32(0.5)
-    kept = layerwise_round(cfg, images, download, first.client_state, server_round=2, partition_id=0, lr=1e-3,
-                           plan={**plan, "stage": 2})
-    np.testing.assert_array_equal(kept.client_state["target_backbone.blocks.0.mlp.fc1.weight"],
-                                  first.client_state["target_backbone.blocks.0.mlp.fc1.weight"])  # its own
-    np.testing.assert_array_equal(kept.client_state["target_backbone.blocks.1.mlp.fc1.weight"],
-                                  download["backbone.blocks.1.mlp.fc1.weight"])  # the new block: as received
-    reset = layerwise_round(cfg, images, download, first.client_state, server_round=2, partition_id=0, lr=1e-3,
-                            plan={**plan, "stage": 2, "client-target": "reset"})
+    kept = layerwise_round(
+        cfg, images, download, first.client_state, server_round=2, partition_id=0, lr=1e-3, plan={**plan, "stage": 2}
+    )
+    np.testing.assert_array_equal(
+        kept.client_state["target_backbone.blocks.0.mlp.fc1.weight"],
+        first.client_state["target_backbone.blocks.0.mlp.fc1.weight"],
+    )  # its own
+    np.testing.assert_array_equal(
+        kept.client_state["target_backbone.blocks.1.mlp.fc1.weight"], download["backbone.blocks.1.mlp.fc1.weight"]
+    )  # the new block: as received
+    reset = layerwise_round(
+        cfg,
+        images,
+        download,
+        first.client_state,
+        server_round=2,
+        partition_id=0,
+        lr=1e-3,
+        plan={**plan, "stage": 2, "client-target": "reset"},
+    )
     assert not any(k.startswith("target_") for k in reset.client_state)  # nothing to keep
     assert not any(k.startswith("target_") for k in reset.shared_state)
 
@@ -712,10 +868,14 @@ def test_a_resumed_strategy_sends_what_the_uninterrupted_one_sends():
     b, _ = make_strategy("fedmoco_lw", cfg, n=3, min_available=2)
     b.restore_state(plain, state_arrays, stores)
     checkpoint_arrays = to_array_record(from_array_record(arrays))
-    sent_a = {m.metadata.dst_node_id: from_array_record(m.content["arrays"]) for m in
-              a.configure_train(5, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))}
-    sent_b = {m.metadata.dst_node_id: from_array_record(m.content["arrays"]) for m in
-              b.configure_train(5, checkpoint_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))}
+    sent_a = {
+        m.metadata.dst_node_id: from_array_record(m.content["arrays"])
+        for m in a.configure_train(5, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))
+    }
+    sent_b = {
+        m.metadata.dst_node_id: from_array_record(m.content["arrays"])
+        for m in b.configure_train(5, checkpoint_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))
+    }
     assert sent_a.keys() == sent_b.keys() == {100, 101, 102}
     for node, state_a in sent_a.items():
         assert list(state_a) == list(sent_b[node])  # client 2 (it missed stage 2) gets everything in both

@@ -29,8 +29,11 @@ def pyproject() -> dict:
 def ci_commands() -> list[list[str]]:
     """The top-level command lines of .ci/run, split into words (not comments, not indented lines)."""
     lines = (REPO / ".ci" / "run").read_text().splitlines()
-    return [shlex.split(line) for line in lines if line.strip() and not line.lstrip().startswith("#")
-            and not line.startswith((" ", "\t"))]
+    return [
+        shlex.split(line)
+        for line in lines
+        if line.strip() and not line.lstrip().startswith("#") and not line.startswith((" ", "\t"))
+    ]
 
 
 def hooks() -> list[dict]:
@@ -87,6 +90,12 @@ def test_settings_line_length_and_type_checked_packages() -> None:
 
 def test_ruff_check_passes_on_the_repository() -> None:
     """What CI's first check runs (a fraction of a second): a finding names its file and line."""
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=REPO,
-                            capture_output=True, text=True, check=False, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -192,8 +192,9 @@ def test_moco_loss_is_the_symmetric_sum_of_two_info_nce_terms_and_enqueues_both_
     assert_loss(loss, expected, wrong)
     # keys of the momentum encoder (not the queries) are enqueued: first view 1's, then view 2's
     columns = [(30 + i) % 40 for i in range(2 * BATCH)]
-    torch.testing.assert_close(method.queue[:, columns].double(), torch.cat([unit(k1), unit(k2)]).t(),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        method.queue[:, columns].double(), torch.cat([unit(k1), unit(k2)]).t(), rtol=1e-5, atol=1e-6
+    )
     untouched = [c for c in range(40) if c not in columns]
     assert torch.equal(method.queue[:, untouched], queue_before[:, untouched])
     assert int(method.queue_ptr) == (30 + 2 * BATCH) % 40

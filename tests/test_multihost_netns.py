@@ -43,20 +43,32 @@ def network():
     for tool in ("openssl", "ssh-keygen"):
         if shutil.which(tool) is None:
             skip_unless_required(f"multi-host test skipped: {tool} is not installed (needed by docker/make-*.sh)")
-    net = Network(tag=str(os.getpid() % 100000), spokes=["n1", "n2"], hub="link", hub_names=["superlink"],
-                  local_names={"link": ["superlink"], "n1": ["supernode"], "n2": ["supernode"]})
+    net = Network(
+        tag=str(os.getpid() % 100000),
+        spokes=["n1", "n2"],
+        hub="link",
+        hub_names=["superlink"],
+        local_names={"link": ["superlink"], "n1": ["supernode"], "n2": ["supernode"]},
+    )
     with net:
         yield net
 
 
 def base_env(tag: str) -> dict[str, str]:
-    return {MARKER: tag, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        MARKER: tag,
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def script(name: str, *args: str) -> None:
-    proc = subprocess.run(["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["bash", str(DOCKER_DIR / name), *map(str, args)], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -93,41 +105,61 @@ class Deployment:
         return folder
 
     def start_server(self) -> NativeMachine:
-        compose = load_compose([DOCKER_DIR / "server" / "compose.yml"], {
-            "SECRETS_DIR": str(self.server_secrets), "OUTPUT_DIR": str(self.output_dir),
-            "DATA_DIR": str(self.data_dir), "SUPERLINK_STATE_DIR": str(self.tmp / "server" / "state")})
+        compose = load_compose(
+            [DOCKER_DIR / "server" / "compose.yml"],
+            {
+                "SECRETS_DIR": str(self.server_secrets),
+                "OUTPUT_DIR": str(self.output_dir),
+                "DATA_DIR": str(self.data_dir),
+                "SUPERLINK_STATE_DIR": str(self.tmp / "server" / "state"),
+            },
+        )
         machine = NativeMachine(compose, self.tmp / "roots" / "server", netns=self.net.ns("link"), env=self.env)
         machine.start("superlink", self.logs / "server")
         machine.start("superexec-serverapp", self.logs / "server")
         self.machines["server"] = machine
         return machine
 
-    def client_machine(self, name: str, host: str, partition_id: int, secrets: Path,
-                       own_data: Path | None = None) -> NativeMachine:
+    def client_machine(
+        self, name: str, host: str, partition_id: int, secrets: Path, own_data: Path | None = None
+    ) -> NativeMachine:
         """A client machine; with ``own_data`` (a file there), the node trains on it instead of a partition."""
-        env = {"SUPERLINK_ADDRESS": "superlink:8000", "PARTITION_ID": str(partition_id), "NUM_PARTITIONS": "2",
-               "SECRETS_DIR": str(secrets), "DATA_DIR": str(own_data.parent if own_data else self.data_dir),
-               "STATE_DIR": str(self.tmp / name / "state")}
+        env = {
+            "SUPERLINK_ADDRESS": "superlink:8000",
+            "PARTITION_ID": str(partition_id),
+            "NUM_PARTITIONS": "2",
+            "SECRETS_DIR": str(secrets),
+            "DATA_DIR": str(own_data.parent if own_data else self.data_dir),
+            "STATE_DIR": str(self.tmp / name / "state"),
+        }
         if own_data:
             env["NODE_CONFIG"] = f"data-path='/data/{own_data.name}'"
         compose = load_compose([DOCKER_DIR / "client" / "compose.yml"], env)
         # The "machines" share this machine's cores: one torch thread each keeps them from oversubscribing.
-        machine = NativeMachine(compose, self.tmp / "roots" / name, netns=self.net.ns(host),
-                                env={**self.env, "OMP_NUM_THREADS": "1"})
+        machine = NativeMachine(
+            compose, self.tmp / "roots" / name, netns=self.net.ns(host), env={**self.env, "OMP_NUM_THREADS": "1"}
+        )
         self.machines[name] = machine
         return machine
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """The `flwr` CLI on client machine n1 (the user's laptop), with a TLS connection named `fed`."""
-        return self.net.run("n1", [str(Path(sys.executable).parent / "flwr"), *args], capture_output=True,
-                            text=True, timeout=timeout, env={**os.environ, **self.env, "FLWR_HOME": str(self.cli_home)},
-                            cwd=REPO)
+        return self.net.run(
+            "n1",
+            [str(Path(sys.executable).parent / "flwr"), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.env, "FLWR_HOME": str(self.cli_home)},
+            cwd=REPO,
+        )
 
     def write_cli_config(self) -> None:
         self.cli_home.mkdir(parents=True, exist_ok=True)
         (self.cli_home / "config.toml").write_text(
             '[superlink]\ndefault = "fed"\n\n[superlink.fed]\naddress = "superlink:8000"\n'
-            f'root-certificates = "{self.server_secrets / "ca.crt"}"\n')
+            f'root-certificates = "{self.server_secrets / "ca.crt"}"\n'
+        )
 
     def teardown(self) -> None:
         for machine in self.machines.values():
@@ -156,8 +188,11 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
         dep.make_server_secrets()
         dep.start_server()
         # Across the veth link, by the name in the certificate: client machines reach the SuperLink.
-        wait_for(lambda: reachable(network, "n1", "superlink", 8000) and reachable(network, "n2", "superlink", 8000),
-                 60, "the SuperLink to listen on port 8000 of its host")
+        wait_for(
+            lambda: reachable(network, "n1", "superlink", 8000) and reachable(network, "n2", "superlink", 8000),
+            60,
+            "the SuperLink to listen on port 8000 of its host",
+        )
 
         dep.write_cli_config()
         secrets = {name: dep.make_client_secrets(name) for name in ("client-1", "client-2", "rogue")}
@@ -174,28 +209,49 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
 
         # Client machine 2 trains on its own data (NODE_CONFIG data-path), not on a partition.
         own = write_own_data(tmp_path / "site-2" / "site-2.npz", num_train=96)
-        clients = {"client-1": dep.client_machine("client-1", "n1", 0, secrets["client-1"]),
-                   "client-2": dep.client_machine("client-2", "n2", 1, secrets["client-2"], own_data=own)}
+        clients = {
+            "client-1": dep.client_machine("client-1", "n1", 0, secrets["client-1"]),
+            "client-2": dep.client_machine("client-2", "n2", 1, secrets["client-2"], own_data=own),
+        }
         for name, machine in clients.items():
             machine.start("supernode", dep.logs / name)
             machine.start("superexec-clientapp", dep.logs / name)
 
         run_log = tmp_path / "flwr-run.log"
-        run_config = (f"config='configs/smoke.yaml' rounds={ROUNDS} {data_config} "
-                      "federation.round_timeout_s=300 federation.node_wait_s=300")
+        run_config = (
+            f"config='configs/smoke.yaml' rounds={ROUNDS} {data_config} "
+            "federation.round_timeout_s=300 federation.node_wait_s=300"
+        )
         with open(run_log, "w") as log:
             run = subprocess.Popen(
-                ["ip", "netns", "exec", network.ns("n1"), str(Path(sys.executable).parent / "flwr"), "run",
-                 str(REPO), "fed", "--stream", "--run-config", run_config],
-                cwd=REPO, env={**os.environ, **dep.env, "FLWR_HOME": str(dep.cli_home)}, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    network.ns("n1"),
+                    str(Path(sys.executable).parent / "flwr"),
+                    "run",
+                    str(REPO),
+                    "fed",
+                    "--stream",
+                    "--run-config",
+                    run_config,
+                ],
+                cwd=REPO,
+                env={**os.environ, **dep.env, "FLWR_HOME": str(dep.cli_home)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
         # Kill client machine 2 (both of its services) once round 1 is done, restart it once round 2 is.
         wait_for(lambda: progress_line(dep.output_dir, f"round 1/{ROUNDS}"), 400, "round 1 to finish")
         for service in ("superexec-clientapp", "supernode"):
             clients["client-2"].stop(service, sig=signal.SIGKILL)
-        round2 = wait_for(lambda: progress_line(dep.output_dir, f"round 2/{ROUNDS}"), 400,
-                          "round 2 to finish without client 2")
+        round2 = wait_for(
+            lambda: progress_line(dep.output_dir, f"round 2/{ROUNDS}"), 400, "round 2 to finish without client 2"
+        )
         for service in ("supernode", "superexec-clientapp"):
             clients["client-2"].start(service, dep.logs / "client-2", log_name=f"{service}.restarted.log")
         run.wait(timeout=600)
@@ -217,8 +273,10 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
             # Deployed, every message gets a new ClientApp process, started after the server created the message
             # (clock ticks of 10 ms), and the timeline's points follow each other.
             t = c["timeline_s"]
-            points = [t[k] for k in ("process_start", "import_start", "app_imported", "handler_start",
-                                     "reply_ready", "received")]
+            points = [
+                t[k]
+                for k in ("process_start", "import_start", "app_imported", "handler_start", "reply_ready", "received")
+            ]
             assert points[0] >= -0.02 and points == sorted(points), t
         own_examples = {c["id"]: c["num_examples"] for c in rounds[0]["clients"]}[1]
         assert own_examples == 96, rounds[0]  # its own file's 96 images, not a partition of the data set

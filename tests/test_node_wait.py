@@ -51,15 +51,15 @@ def test_a_node_that_fails_the_query_or_claims_a_client_of_another_split_is_not_
     table[205] = NodeInfo(205, error="Node Unavailable")
     table[206] = NodeInfo(206, partition_id=1, num_partitions=5)  # partition 1, but of a 5-client split
     clients, foreign = {0: 100, 1: 101}, set()
-    assert adopt_new_nodes(FakeGrid({100, 205, 206}), clients, {100, 205, 206}, foreign=foreign,
-                           server_round=1) == [0]
+    assert adopt_new_nodes(FakeGrid({100, 205, 206}), clients, {100, 205, 206}, foreign=foreign, server_round=1) == [0]
     assert clients == {0: 100, 1: 101}
     assert foreign == {205, 206}
 
 
 def test_after_the_wait_a_round_goes_on_with_fewer_clients_but_never_with_none(answers):
     clients = {0: 100, 1: 101, 2: 102}
-    assert wait_for_partitions(FakeGrid({102}), clients, min_available=3, wait_s=0.0, foreign=set(),
-                               server_round=2) == [2]
+    assert wait_for_partitions(
+        FakeGrid({102}), clients, min_available=3, wait_s=0.0, foreign=set(), server_round=2
+    ) == [2]
     with pytest.raises(RuntimeError, match="round 5: no client node is connected"):
         wait_for_partitions(FakeGrid(set()), clients, min_available=1, wait_s=0.0, foreign=set(), server_round=5)

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.ModuleDict({"body": nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)),
-                          "side": nn.Linear(6, 4)})  # used on odd steps only: a parameter skipped in some steps
+    return nn.ModuleDict(
+        {"body": nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)), "side": nn.Linear(6, 4)}
+    )  # used on odd steps only: a parameter skipped in some steps
 
 
 def _loss(model: nn.Module, step: int) -> torch.Tensor:
@@ -26,20 +27,24 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     out = model["body"](x)
     if step % 2:
         out = out + model["side"](x)
-    return (out ** 2).mean()
+    return (out**2).mean()
 
 
-@pytest.mark.parametrize("name, theirs, kwargs", [
-    ("sgd", torch.optim.SGD, {"momentum": 0.9, "weight_decay": 5e-4}),
-    ("sgd", torch.optim.SGD, {"momentum": 0.0, "weight_decay": 0.0}),
-    ("adam", torch.optim.Adam, {"weight_decay": 1e-4}),
-    ("adamw", torch.optim.AdamW, {"weight_decay": 0.05}),
-])
+@pytest.mark.parametrize(
+    "name, theirs, kwargs",
+    [
+        ("sgd", torch.optim.SGD, {"momentum": 0.9, "weight_decay": 5e-4}),
+        ("sgd", torch.optim.SGD, {"momentum": 0.0, "weight_decay": 0.0}),
+        ("adam", torch.optim.Adam, {"weight_decay": 1e-4}),
+        ("adamw", torch.optim.AdamW, {"weight_decay": 0.05}),
+    ],
+)
 def test_every_step_matches_torch_optim(name, theirs, kwargs):
     ours_model, ref_model = _model(0), _model(0)
     momentum = kwargs.get("momentum", 0.9)
-    ours = build_local_optimizer(ours_model.parameters(), name, lr=0.05, momentum=momentum,
-                                 weight_decay=kwargs["weight_decay"])
+    ours = build_local_optimizer(
+        ours_model.parameters(), name, lr=0.05, momentum=momentum, weight_decay=kwargs["weight_decay"]
+    )
     ref = theirs(ref_model.parameters(), lr=0.05, **kwargs)
     for step in range(6):
         if step == 4:  # the training loop changes the learning rate between rounds through param_groups
@@ -84,9 +89,11 @@ def test_a_training_step_in_a_new_process_does_not_import_dynamo(tmp_path):
         "x = np.random.default_rng(0).integers(0, 255, (8, 32, 32, 3), dtype=np.uint8)\n"
         "for opt in ('sgd', 'adamw'):\n"
         "    train_ssl(m, x, epochs=1, batch_size=4, lr=0.01, optimizer=opt)\n"
-        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n")
+        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dynamo imported: False" in out.stdout, out.stdout

@@ -41,8 +41,11 @@ def test_every_config_states_its_scale(path):
 
 def table1(dataset: str, alpha: str) -> dict[str, ExperimentConfig]:
     prefix = f"{dataset}-alpha{alpha}-"
-    return {name[len(prefix):]: cfg for name, cfg in study_experiments("paper/flesd-table1").items()
-            if name.startswith(prefix)}
+    return {
+        name[len(prefix) :]: cfg
+        for name, cfg in study_experiments("paper/flesd-table1").items()
+        if name.startswith(prefix)
+    }
 
 
 @pytest.mark.parametrize("dataset", ["cifar10", "cifar100"])
@@ -88,8 +91,13 @@ def test_fedema_paper_configs():
     fedema_defaults = {k: v for k, v in FedEMA.default_options().items()}
     for name, cfg in table3.items():
         if name.endswith("-fedema-lambda"):
-            assert cfg.strategy.options == {**fedema_defaults, "mu_mode": "lambda", "lambda": 0.8, "ema_scope": "both",
-                                            "divergence": "paper"}
+            assert cfg.strategy.options == {
+                **fedema_defaults,
+                "mu_mode": "lambda",
+                "lambda": 0.8,
+                "ema_scope": "both",
+                "divergence": "paper",
+            }
         if name.endswith("-fedema-autoscaler"):
             assert cfg.strategy.options["mu_mode"] == "autoscaler" and cfg.strategy.options["tau"] == 0.7
     assert len(table3) == 16

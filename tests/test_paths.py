@@ -25,8 +25,11 @@ def test_a_path_outside_the_roots_is_refused_naming_key_path_and_roots(tmp_path)
     roots = [tmp_path / "data"]
     (tmp_path / "data").mkdir()
     assert confine(tmp_path / "data" / "x.npz", "data.path", roots) == tmp_path / "data" / "x.npz"
-    with pytest.raises(ConfigError, match=r"data.path: '/etc/passwd' resolves to /etc/passwd, outside the folders .*"
-                                          rf"{ROOTS_VARIABLE}"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.path: '/etc/passwd' resolves to /etc/passwd, outside the folders .*"
+        rf"{ROOTS_VARIABLE}",
+    ):
         confine("/etc/passwd", "data.path", roots)
     # ".." and symbolic links do not lead out.
     with pytest.raises(ConfigError, match=r"^output-dir: "):
@@ -52,8 +55,18 @@ def test_a_deployed_run_with_a_config_outside_the_roots_stops_before_reading_it(
             return []
 
     with pytest.raises(ConfigError, match=r"^config: .*secret/cfg.yaml.* outside the folders"):
-        server_module.main(DeployedGrid(), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                                   run_config={"config": str(secret)}))
+        server_module.main(
+            DeployedGrid(),
+            Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"config": str(secret)}),
+        )
     with pytest.raises(ConfigError, match=r"^data.path: '/etc' .* outside the folders"):
-        server_module.main(DeployedGrid(), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                                   run_config={"config": "configs/smoke.yaml", "data.path": "/etc"}))
+        server_module.main(
+            DeployedGrid(),
+            Context(
+                run_id=1,
+                node_id=0,
+                node_config={},
+                state=RecordDict(),
+                run_config={"config": "configs/smoke.yaml", "data.path": "/etc"},
+            ),
+        )

@@ -17,7 +17,7 @@ def test_plain_pages_hold_no_site_only_markup():
     assert REPO / "docs" / "getting-started.md" in gen.PLAIN_PAGES
     for page in (*gen.PLAIN_PAGES, REPO / "README.md"):
         text = page.read_text()
-        assert not re.search(r'^=== "', text, re.MULTILINE), f"{page.name}: a tab (=== \"...\") shows as raw text"
+        assert not re.search(r'^=== "', text, re.MULTILINE), f'{page.name}: a tab (=== "...") shows as raw text'
         assert "--8<--" not in text, f"{page.name}: a snippet include shows as a raw line"
 
 

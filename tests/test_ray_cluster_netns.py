@@ -38,23 +38,45 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     net = Network(tag=f"r{os.getpid() % 10000}", spokes=["worker"], hub="head", net=215)
     head_ip, worker_ip = net.hub_ip("worker"), net.spoke_ip("worker")
-    base = {**os.environ, MARKER: str(tmp), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    base = {
+        **os.environ,
+        MARKER: str(tmp),
+        "OMP_NUM_THREADS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     env = {"head": {**base, "RAY_TMPDIR": str(tmp / "head")}, "worker": {**base, "RAY_TMPDIR": str(tmp / "worker")}}
     with net:
         try:
             start = [str(BIN / "ray"), "start", "--num-cpus=1", "--disable-usage-stats"]
-            proc = net.run("head", start + ["--head", f"--node-ip-address={head_ip}", "--port=6379",
-                                            "--include-dashboard=false"], env=env["head"], capture_output=True,
-                           text=True, timeout=180)
+            proc = net.run(
+                "head",
+                start + ["--head", f"--node-ip-address={head_ip}", "--port=6379", "--include-dashboard=false"],
+                env=env["head"],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             assert proc.returncode == 0, proc.stderr[-2000:]
-            proc = net.run("worker", start + [f"--address={head_ip}:6379", f"--node-ip-address={worker_ip}"],
-                           env=env["worker"], capture_output=True, text=True, timeout=180)
+            proc = net.run(
+                "worker",
+                start + [f"--address={head_ip}:6379", f"--node-ip-address={worker_ip}"],
+                env=env["worker"],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             assert proc.returncode == 0, proc.stderr[-2000:]
             deadline = time.monotonic() + 120
             while True:  # both nodes registered
-                status = net.run("head", [str(BIN / "ray"), "status", f"--address={head_ip}:6379"], env=env["head"],
-                                 capture_output=True, text=True, timeout=60).stdout
+                status = net.run(
+                    "head",
+                    [str(BIN / "ray"), "status", f"--address={head_ip}:6379"],
+                    env=env["head"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout
                 active = status.split("Active:")[-1].split("Pending:")[0]
                 if active.count("node_") >= 2:
                     break
@@ -68,12 +90,28 @@ def cluster(tmp_path_factory):
 def cluster_run(c: dict, name: str, extra: str = "", wait: bool = True) -> tuple[Path, subprocess.Popen | None]:
     """`flwr run` from the head host, its local SuperLink joining the cluster through RAY_ADDRESS."""
     out, home = c["tmp"] / name, c["tmp"] / f"flwr-{name}"
-    env = {**flwr_env(home), **{k: v for k, v in c["env"]["head"].items() if k != "RAY_TMPDIR"},
-           "RAY_ADDRESS": f"{c['head_ip']}:6379"}
-    cmd = ["ip", "netns", "exec", c["net"].ns("head"), str(BIN / "flwr"), "run", str(REPO), "--stream",
-           "--run-config", f"{RUN} output-dir='{out}' {extra}", "--federation-config", "client-resources-num-cpus=1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+    env = {
+        **flwr_env(home),
+        **{k: v for k, v in c["env"]["head"].items() if k != "RAY_TMPDIR"},
+        "RAY_ADDRESS": f"{c['head_ip']}:6379",
+    }
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        c["net"].ns("head"),
+        str(BIN / "flwr"),
+        "run",
+        str(REPO),
+        "--stream",
+        "--run-config",
+        f"{RUN} output-dir='{out}' {extra}",
+        "--federation-config",
+        "client-resources-num-cpus=1",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
+    )
     if not wait:
         return out, proc
     try:
@@ -85,8 +123,15 @@ def cluster_run(c: dict, name: str, extra: str = "", wait: bool = True) -> tuple
 
 
 def comparable(rounds: list[dict]) -> list[dict]:
-    return [{"round": r["round"], "train_loss": r["train_loss"], "knn_acc": r.get("knn_acc"),
-             "clients": sorted((c["id"], c["loss"]) for c in r["clients"])} for r in rounds]
+    return [
+        {
+            "round": r["round"],
+            "train_loss": r["train_loss"],
+            "knn_acc": r.get("knn_acc"),
+            "clients": sorted((c["id"], c["loss"]) for c in r["clients"]),
+        }
+        for r in rounds
+    ]
 
 
 def test_a_run_on_a_two_node_ray_cluster_uses_both_nodes_and_matches_one_machine(cluster, tmp_path, monkeypatch):
@@ -97,8 +142,11 @@ def test_a_run_on_a_two_node_ray_cluster_uses_both_nodes_and_matches_one_machine
     # The same run on one machine (Flower's own Ray, started for it)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     alone = tmp_path / "alone"
-    proc = flwr_run(f"{RUN} output-dir='{alone}'", tmp_path / "flwr-alone",
-                    federation_config="num-supernodes=2 client-resources-num-cpus=1")
+    proc = flwr_run(
+        f"{RUN} output-dir='{alone}'",
+        tmp_path / "flwr-alone",
+        federation_config="num-supernodes=2 client-resources-num-cpus=1",
+    )
     assert (alone / "summary.json").is_file(), (proc.stdout + proc.stderr)[-3000:]
     assert comparable(rounds) == comparable(read_jsonl(alone / "metrics.jsonl"))
     a, b = (json.loads((d / "summary.json").read_text()) for d in (out, alone))

@@ -21,15 +21,26 @@ def content(**records):
     return SimpleNamespace(array_records={name: to_array_record(arrays) for name, arrays in records.items()})
 
 
-@pytest.mark.parametrize("metrics, expected, problem", [
-    ({"partition-id": 1, "num-examples": 10, "train_loss": 0.5}, 1, None),
-    ({"partition-id": 2, "num-examples": 10, "train_loss": 0.5}, 1, "partition-id 2 does not match the node's client 1"),
-    ({"partition-id": 1, "num-examples": 10, "train_loss": 0.5}, None, "partition-id 1 does not match"),
-    ({"partition-id": 1, "num-examples": 0, "train_loss": 0.5}, 1, "num-examples must be an integer > 0, got 0"),
-    ({"partition-id": 1, "num-examples": 2.0, "train_loss": 0.5}, 1, "num-examples must be an integer > 0, got 2.0"),
-    ({"partition-id": 1, "num-examples": 10, "train_loss": math.nan}, 1, "train_loss must be a finite number"),
-    ({"partition-id": 1, "num-examples": 10}, 1, "train_loss must be a finite number, got None"),
-])
+@pytest.mark.parametrize(
+    "metrics, expected, problem",
+    [
+        ({"partition-id": 1, "num-examples": 10, "train_loss": 0.5}, 1, None),
+        (
+            {"partition-id": 2, "num-examples": 10, "train_loss": 0.5},
+            1,
+            "partition-id 2 does not match the node's client 1",
+        ),
+        ({"partition-id": 1, "num-examples": 10, "train_loss": 0.5}, None, "partition-id 1 does not match"),
+        ({"partition-id": 1, "num-examples": 0, "train_loss": 0.5}, 1, "num-examples must be an integer > 0, got 0"),
+        (
+            {"partition-id": 1, "num-examples": 2.0, "train_loss": 0.5},
+            1,
+            "num-examples must be an integer > 0, got 2.0",
+        ),
+        ({"partition-id": 1, "num-examples": 10, "train_loss": math.nan}, 1, "train_loss must be a finite number"),
+        ({"partition-id": 1, "num-examples": 10}, 1, "train_loss must be a finite number, got None"),
+    ],
+)
 def test_metrics_problem_names_the_first_bad_metric(metrics, expected, problem):
     got = metrics_problem(metrics, expected)
     assert got == problem if problem is None else got.startswith(problem)
@@ -52,8 +63,10 @@ def test_arrays_problem_wants_exactly_the_expected_arrays_and_finite_values():
     assert arrays_problem(content(other=good), spec) == "no 'arrays' record"
     assert arrays_problem(content(arrays={"w": good["w"]}), spec) == "record 'arrays': missing arrays ['b']"
     assert arrays_problem(content(arrays={**good, "x": good["b"]}), spec) == "record 'arrays': unexpected arrays ['x']"
-    assert arrays_problem(content(arrays={**good, "b": np.zeros(3, np.float64)}), spec) == \
-        "record 'arrays': array 'b' has shape/dtype ((3,), 'float64'), expected ((3,), 'float32')"
+    assert (
+        arrays_problem(content(arrays={**good, "b": np.zeros(3, np.float64)}), spec)
+        == "record 'arrays': array 'b' has shape/dtype ((3,), 'float64'), expected ((3,), 'float32')"
+    )
     bad = {**good, "w": np.array([[1, np.inf, 0]] * 2, np.float32)}
     assert arrays_problem(content(arrays=bad), None) == "record 'arrays': array 'w' holds non-finite values"
     assert arrays_problem(content(arrays={"n": np.arange(3)}), None) is None  # integers: nothing to check
@@ -78,8 +91,14 @@ def test_screen_replies_replaces_bad_replies_checks_each_once_and_stops_below_mi
         return "num-examples must be an integer > 0, got 0" if r is bad else None
 
     seen: set[int] = set()
-    out = screen_replies([good, bad, crashed], server_round=2, problem=problem, already_valid=seen,
-                         partition_of_node={100: 0, 101: 1, 102: 2}, min_replies=1)
+    out = screen_replies(
+        [good, bad, crashed],
+        server_round=2,
+        problem=problem,
+        already_valid=seen,
+        partition_of_node={100: 0, 101: 1, 102: 2},
+        min_replies=1,
+    )
     assert out[0] is good and out[2] is crashed
     assert isinstance(out[1], RejectedReply) and out[1].has_error()
     assert out[1].error.reason == "reply rejected: num-examples must be an integer > 0, got 0"
@@ -87,7 +106,16 @@ def test_screen_replies_replaces_bad_replies_checks_each_once_and_stops_below_mi
     # a second screening of the same round (a subclass's base class) does not check the valid reply again
     screen_replies([good], server_round=2, problem=problem, already_valid=seen, partition_of_node={}, min_replies=1)
     assert checked == [100, 101]
-    with pytest.raises(NotEnoughValidReplies, match=r"round 2: 1 valid replies, fewer than federation.min_replies=2 "
-                                                    r"\(.*num-examples.*ClientApp crashed"):
-        screen_replies([good, bad, crashed], server_round=2, problem=problem, already_valid=set(),
-                       partition_of_node={}, min_replies=2)
+    with pytest.raises(
+        NotEnoughValidReplies,
+        match=r"round 2: 1 valid replies, fewer than federation.min_replies=2 "
+        r"\(.*num-examples.*ClientApp crashed",
+    ):
+        screen_replies(
+            [good, bad, crashed],
+            server_round=2,
+            problem=problem,
+            already_valid=set(),
+            partition_of_node={},
+            min_replies=2,
+        )

@@ -21,8 +21,11 @@ class PushPullGrid:
     def pull_messages(self, ids):
         self.pulls += 1
         now = time.monotonic() - self.t0
-        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=f"m{i}", message_id=f"r{i}"))
-                for i, d in enumerate(self.delays) if f"m{i}" in ids and d <= now]
+        return [
+            SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=f"m{i}", message_id=f"r{i}"))
+            for i, d in enumerate(self.delays)
+            if f"m{i}" in ids and d <= now
+        ]
 
 
 def test_replies_are_collected_soon_after_they_arrive():

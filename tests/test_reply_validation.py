@@ -32,8 +32,11 @@ GLOBAL = {"backbone.w": np.zeros((2, 3), np.float32), "backbone.n": np.zeros((1,
 
 
 def round_messages(strategy, server_round=1):
-    msgs = list(strategy.configure_train(server_round, to_array_record(GLOBAL), ConfigRecord(),
-                                         FakeGrid(list(strategy.clients.values()))))
+    msgs = list(
+        strategy.configure_train(
+            server_round, to_array_record(GLOBAL), ConfigRecord(), FakeGrid(list(strategy.clients.values()))
+        )
+    )
     for i, m in enumerate(msgs):
         m.metadata.__dict__["_message_id"] = f"m{server_round}-{i}"
     return {m.metadata.dst_node_id: m for m in msgs}
@@ -45,7 +48,9 @@ def reply(request, arrays=None, pid=0, n=10, loss=1.0, record="arrays", truncate
         content[record] = to_array_record(arrays)
         if truncate:  # a packed buffer shorter than its manifest says (24 + 8 bytes of data)
             packed = content[record]["packed"].numpy()
-            content[record] = ArrayRecord({"manifest": content[record]["manifest"], "packed": Array(packed[:-truncate])})
+            content[record] = ArrayRecord(
+                {"manifest": content[record]["manifest"], "packed": Array(packed[:-truncate])}
+            )
     msg = Message(RecordDict(content), reply_to=request)
     msg.metadata.__dict__["_src_node_id"] = request.metadata.dst_node_id
     return msg
@@ -56,13 +61,27 @@ def good(value):
 
 
 FAULTS = {
-    "nan": (lambda: {**good(1.0), "backbone.w": np.full((2, 3), np.nan, np.float32)}, {},
-            "array 'backbone.w' holds non-finite values"),
-    "wrong shape": (lambda: {**good(1.0), "backbone.w": np.ones((3, 2), np.float32)}, {},
-                    "array 'backbone.w' has shape/dtype ((3, 2), 'float32'), expected ((2, 3), 'float32')"),
-    "wrong dtype": (lambda: {**good(1.0), "backbone.w": np.ones((2, 3), np.float64)}, {}, "expected ((2, 3), 'float32')"),
+    "nan": (
+        lambda: {**good(1.0), "backbone.w": np.full((2, 3), np.nan, np.float32)},
+        {},
+        "array 'backbone.w' holds non-finite values",
+    ),
+    "wrong shape": (
+        lambda: {**good(1.0), "backbone.w": np.ones((3, 2), np.float32)},
+        {},
+        "array 'backbone.w' has shape/dtype ((3, 2), 'float32'), expected ((2, 3), 'float32')",
+    ),
+    "wrong dtype": (
+        lambda: {**good(1.0), "backbone.w": np.ones((2, 3), np.float64)},
+        {},
+        "expected ((2, 3), 'float32')",
+    ),
     "missing array": (lambda: {"backbone.w": np.ones((2, 3), np.float32)}, {}, "missing arrays ['backbone.n']"),
-    "extra array": (lambda: {**good(1.0), "projector.x": np.ones(1, np.float32)}, {}, "unexpected arrays ['projector.x']"),
+    "extra array": (
+        lambda: {**good(1.0), "projector.x": np.ones(1, np.float32)},
+        {},
+        "unexpected arrays ['projector.x']",
+    ),
     "no examples": (lambda: good(1.0), {"n": 0}, "num-examples must be an integer > 0, got 0"),
     "infinite loss": (lambda: good(1.0), {"loss": float("inf")}, "train_loss must be a finite number"),
     "another client's id": (lambda: good(1.0), {"pid": 1}, "partition-id 1 does not match the node's client 0"),
@@ -101,10 +120,18 @@ def test_the_round_stops_below_min_replies_and_names_the_reasons():
     strategy = FedSSL(clients={0: 100, 1: 101}, clients_per_round=2, seed=0)
     strategy.min_replies = 2
     by_node = round_messages(strategy)
-    with pytest.raises(RuntimeError, match=r"round 1: 1 valid replies, fewer than federation.min_replies=2 "
-                                           r"\(reply rejected: .*non-finite"):
-        strategy.aggregate_train(1, [reply(by_node[100], {**good(1.0), "backbone.w": np.full((2, 3), np.nan, np.float32)}),
-                                     reply(by_node[101], good(2.0), pid=1)])
+    with pytest.raises(
+        RuntimeError,
+        match=r"round 1: 1 valid replies, fewer than federation.min_replies=2 "
+        r"\(reply rejected: .*non-finite",
+    ):
+        strategy.aggregate_train(
+            1,
+            [
+                reply(by_node[100], {**good(1.0), "backbone.w": np.full((2, 3), np.nan, np.float32)}),
+                reply(by_node[101], good(2.0), pid=1),
+            ],
+        )
 
 
 def test_heterossfl_and_flesd_check_their_payloads():
@@ -114,7 +141,9 @@ def test_heterossfl_and_flesd_check_their_payloads():
     request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=100, message_type="train.kernel")
     ok = reply(request, {"values": np.eye(4, dtype=np.float32), "scale": np.ones(1, np.float32)}, record=KERNEL_RECORD)
     assert hetero.validate_reply(1, ok) is None
-    wrong = reply(request, {"values": np.eye(3, dtype=np.float32), "scale": np.ones(1, np.float32)}, record=KERNEL_RECORD)
+    wrong = reply(
+        request, {"values": np.eye(3, dtype=np.float32), "scale": np.ones(1, np.float32)}, record=KERNEL_RECORD
+    )
     assert "kernel payload: dense kernel payload has shape (3, 3), expected (4, 4)" in hetero.validate_reply(1, wrong)
     assert hetero.validate_reply(1, reply(request, good(1.0))) == "no 'kernel' record"
 

@@ -19,15 +19,24 @@ from fedssl_wire import from_array_record, to_array_record
 from test_server_app import ClientAppGrid, simulated_clientapps, task_identity  # noqa: F401 - autouse fixtures
 
 BASE = {
-    "name": "inprocess", "seed": 0, "rounds": 3,
+    "name": "inprocess",
+    "seed": 0,
+    "rounds": 3,
     "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 32, "partition": "iid"},
     "model": {"arch": "resnet18", "width": 0.125},
     "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
     "strategy": {"name": "fedssl"},
     "federation": {"num_clients": 2, "node_wait_s": 0.0, "round_timeout_s": 123.0},
     "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False, "device": "cpu"},
-    "eval": {"knn_every": 2, "knn_k": 5, "linear_probe": False, "max_train": 40, "max_test": 20, "device": "cpu",
-             "random_init_reference": False},
+    "eval": {
+        "knn_every": 2,
+        "knn_k": 5,
+        "linear_probe": False,
+        "max_train": 40,
+        "max_test": 20,
+        "device": "cpu",
+        "random_init_reference": False,
+    },
 }
 
 
@@ -39,8 +48,16 @@ def run(tmp_path, monkeypatch, grid, **changes):
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
     monkeypatch.setattr(results_module.ResultsWriter, "plot", lambda self, title: None)
-    server_module.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                     run_config={"config": str(tmp_path / "cfg.yaml"), "output-dir": str(out)}))
+    server_module.main(
+        grid,
+        Context(
+            run_id=1,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config={"config": str(tmp_path / "cfg.yaml"), "output-dir": str(out)},
+        ),
+    )
     return out, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -74,8 +91,11 @@ class FaultyGrid(ClientAppGrid):
 
     @staticmethod
     def is_target(m) -> bool:
-        return (m.metadata.message_type == "train" and m.metadata.dst_node_id == 101
-                and int(m.content["config"]["server-round"]) == 2)
+        return (
+            m.metadata.message_type == "train"
+            and m.metadata.dst_node_id == 101
+            and int(m.content["config"]["server-round"]) == 2
+        )
 
     def corrupt(self, reply):
         if self.fault in ("no reply", "raises") or reply.has_error():
@@ -92,13 +112,16 @@ class FaultyGrid(ClientAppGrid):
         return reply
 
 
-@pytest.mark.parametrize("fault, reason", [
-    ("no reply", "no reply before the round timeout (federation.round_timeout_s)"),
-    ("raises", "client 1 refuses to train"),
-    ("nan", "reply rejected: record 'arrays': array"),
-    ("wrong shape", "reply rejected: record 'arrays': array"),
-    ("missing array", "reply rejected: record 'arrays': missing arrays"),
-])
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("no reply", "no reply before the round timeout (federation.round_timeout_s)"),
+        ("raises", "client 1 refuses to train"),
+        ("nan", "reply rejected: record 'arrays': array"),
+        ("wrong shape", "reply rejected: record 'arrays': array"),
+        ("missing array", "reply rejected: record 'arrays': missing arrays"),
+    ],
+)
 def test_a_faulty_client_round_goes_on_with_the_other_and_the_model_stays_clean(tmp_path, monkeypatch, fault, reason):
     grid = FaultyGrid(fault)
     if fault == "raises":

@@ -30,11 +30,14 @@ def test_a_config_that_is_not_found_is_named_as_given():
         load_experiment({"config": "configs/nope.yaml"})
 
 
-@pytest.mark.parametrize("name, words", [
-    ("fedssl", "down and up per client and round: the model, 1.00 MiB"),
-    ("central", "one trainer"),
-    ("local", "down: the initial model (1.00 MiB) once per client"),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("fedssl", "down and up per client and round: the model, 1.00 MiB"),
+        ("central", "one trainer"),
+        ("local", "down: the initial model (1.00 MiB) once per client"),
+    ],
+)
 def test_first_progress_line_says_what_travels(name, words, tmp_path):
     strategy = get_strategy_class(name)(clients={0: 10, 1: 11}, clients_per_round=2, state_dir=str(tmp_path))
     assert words in strategy.traffic(2**20)
@@ -48,6 +51,7 @@ def test_flesd_and_heterossfl_say_that_no_weights_go_up():
     class Cfg:
         class model:
             arch = "resnet18"
+
     flesd.cfg = Cfg
     line = flesd.traffic(2**20)
     assert "up: no weights, a 200 x 200 similarity matrix" in line and "top 0.1 of each row" in line
@@ -76,8 +80,13 @@ def tensorboard_scalars(folder):
 
 def test_tensorboard_scalars_per_round_and_client_and_a_resume_drops_the_cut_off_round(tmp_path):
     def record(r):
-        return {"round": r, "train_loss": 3.0 - r, "bytes_up": 100 * r, "knn_acc": 0.5 if r == 2 else None,
-                "clients": [{"id": 0, "loss": 1.0 * r, "train_s": 2.0}, {"id": 1, "loss": 2.0 * r, "mu": 0.7}]}
+        return {
+            "round": r,
+            "train_loss": 3.0 - r,
+            "bytes_up": 100 * r,
+            "knn_acc": 0.5 if r == 2 else None,
+            "clients": [{"id": 0, "loss": 1.0 * r, "train_s": 2.0}, {"id": 1, "loss": 2.0 * r, "mu": 0.7}],
+        }
 
     writer = ResultsWriter(tmp_path, tensorboard=True)
     for r in (1, 2, 3):
@@ -109,12 +118,15 @@ def test_the_books_say_what_clients_trained_on_when_a_node_has_its_own_data():
     from server_app.results import client_size_notes, trained_client_sizes
 
     split = [200, 200]
-    rounds = [{"clients": [{"id": 0, "num_examples": 270}, {"id": 1, "num_examples": 200}]},
-              {"clients": [{"id": 0, "num_examples": 270}]}]
+    rounds = [
+        {"clients": [{"id": 0, "num_examples": 270}, {"id": 1, "num_examples": 200}]},
+        {"clients": [{"id": 0, "num_examples": 270}]},
+    ]
     assert trained_client_sizes(rounds, split) == [270, 200]
     assert trained_client_sizes([], split) == split  # no reply yet: the server's figure
     noted: set[int] = set()
     lines = client_size_notes(rounds[0]["clients"], split, noted)
-    assert lines == [("client 0 trains on 270 images of its own data file, not the 200 of the server's split (its "
-                     "node's data-path)")]
+    assert lines == [
+        ("client 0 trains on 270 images of its own data file, not the 200 of the server's split (its node's data-path)")
+    ]
     assert client_size_notes(rounds[1]["clients"], split, noted) == []  # named once

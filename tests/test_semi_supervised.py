@@ -135,9 +135,15 @@ def test_random_crop_flip_outputs_are_shifted_and_mirrored_crops_of_the_zero_pad
     for n in range(64):
         matches = [
             (top, left, flip)
-            for top in range(5) for left in range(5) for flip in (False, True)
-            if torch.equal(out[n], padded[n, top : top + 6, left : left + 5].flip(1) if flip
-                           else padded[n, top : top + 6, left : left + 5])
+            for top in range(5)
+            for left in range(5)
+            for flip in (False, True)
+            if torch.equal(
+                out[n],
+                padded[n, top : top + 6, left : left + 5].flip(1)
+                if flip
+                else padded[n, top : top + 6, left : left + 5],
+            )
         ]
         assert len(matches) == 1, n  # pixels are all non-zero, so the crop offset and flip are identifiable
         seen.add(matches[0])
@@ -154,7 +160,7 @@ def test_mlp_head_layout_and_seeded_default_init_leave_the_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), global_state)
     assert [type(layer) for layer in head] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
     assert (head[0].in_features, head[0].out_features, head[3].in_features, head[3].out_features) == (16, 16, 16, 5)
-    assert head[0].weight.abs().max() <= 1 / 16 ** 0.5 and head[0].weight.abs().max() > 0.9 / 16 ** 0.5
+    assert head[0].weight.abs().max() <= 1 / 16**0.5 and head[0].weight.abs().max() > 0.9 / 16**0.5
     twin = build_mlp_head(16, 5, generator=torch.Generator().manual_seed(0))
     for mine, theirs in zip(head.parameters(), twin.parameters()):
         assert torch.equal(mine, theirs)
@@ -183,8 +189,14 @@ def test_head_mode_freezes_the_backbone_and_equals_an_mlp_head_on_precomputed_fe
     assert (result["fraction"], result["num_labelled"], result["epochs"]) == (0.5, 100, 100)
 
     subset = class_balanced_label_subset(tiny_data.y_train, 0.5, 10, seed=2)
-    head = fit_mlp_head(extract_features(backbone, tiny_data.x_train[subset]), torch.from_numpy(
-        tiny_data.y_train[subset]), 10, epochs=100, batch_size=32, seed=2)
+    head = fit_mlp_head(
+        extract_features(backbone, tiny_data.x_train[subset]),
+        torch.from_numpy(tiny_data.y_train[subset]),
+        10,
+        epochs=100,
+        batch_size=32,
+        seed=2,
+    )
     with torch.no_grad():
         predicted = head(extract_features(backbone, tiny_data.x_test)).argmax(dim=1).numpy()
     assert result["accuracy"] == pytest.approx(float(np.mean(predicted == tiny_data.y_test)), abs=1e-12)
@@ -212,7 +224,7 @@ def test_finetune_mode_trains_a_copy_in_train_mode_and_leaves_the_callers_backbo
     assert all(p.grad is None for p in backbone.parameters())
     steps, bn_layers = 8 * 4, sum(isinstance(m, nn.BatchNorm2d) for m in backbone.modules())
     assert recorder.bn_training[: steps * bn_layers] == [True] * (steps * bn_layers)  # the copy trains in train()
-    assert not any(recorder.bn_training[steps * bn_layers:])  # and is scored in eval()
+    assert not any(recorder.bn_training[steps * bn_layers :])  # and is scored in eval()
     sums = recorder.stem_weight_sums
     assert len(set(sums[:steps])) == steps  # every step updated the copy's encoder weights
     assert result["mode"] == "finetune" and result["augment"] is True and result["num_labelled"] == 100
@@ -229,8 +241,16 @@ def test_finetune_mode_trains_a_copy_in_train_mode_and_leaves_the_callers_backbo
 def test_finetune_does_not_touch_the_global_rng(tiny_data):
     backbone = _backbone()
     state = torch.get_rng_state()
-    semi_supervised_accuracy(backbone, tiny_data.x_train[:40], tiny_data.y_train[:40], tiny_data.x_test[:10],
-                             tiny_data.y_test[:10], 10, 0.1, epochs=1)
+    semi_supervised_accuracy(
+        backbone,
+        tiny_data.x_train[:40],
+        tiny_data.y_train[:40],
+        tiny_data.x_test[:10],
+        tiny_data.y_test[:10],
+        10,
+        0.1,
+        epochs=1,
+    )
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -276,14 +296,27 @@ def _run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 def test_cli_reports_one_semi_supervised_record_per_fraction(capsys, cli_files):
     model, npz = cli_files
-    code, out, err = _run_cli(capsys, model, npz, "--no-linear", "--knn-k", "20", "--semi-supervised", "0.1,0.5",
-                              "--semi-epochs", "2", "--semi-lr", "0.002")
+    code, out, err = _run_cli(
+        capsys,
+        model,
+        npz,
+        "--no-linear",
+        "--knn-k",
+        "20",
+        "--semi-supervised",
+        "0.1,0.5",
+        "--semi-epochs",
+        "2",
+        "--semi-lr",
+        "0.002",
+    )
     assert code == 0, err
     record = json.loads(out)
     semi = record["semi_supervised"]
     # 120 train images of 6 classes: round(0.1 * 120 / 6) = 2 and round(0.5 * 120 / 6) = 10 per class
     assert [(r["fraction"], r["num_labelled"], r["mode"], r["epochs"]) for r in semi] == [
-        (0.1, 12, "finetune", 2), (0.5, 60, "finetune", 2)
+        (0.1, 12, "finetune", 2),
+        (0.5, 60, "finetune", 2),
     ]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["augment"] is True for r in semi)
     assert record["protocol"]["semi_mode"] == "finetune" and record["protocol"]["semi_lr"] == 0.002
@@ -293,16 +326,25 @@ def test_cli_reports_one_semi_supervised_record_per_fraction(capsys, cli_files):
 
     with np.load(npz) as arrays:
         expected = semi_supervised_accuracy(
-            _backbone(seed=3), arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 6, 0.5,
-            epochs=2, lr=0.002, device=record["device"],
+            _backbone(seed=3),
+            arrays["x_train"],
+            arrays["y_train"],
+            arrays["x_test"],
+            arrays["y_test"],
+            6,
+            0.5,
+            epochs=2,
+            lr=0.002,
+            device=record["device"],
         )
     assert semi[1]["accuracy"] == expected["accuracy"]
 
 
 def test_cli_head_mode_and_no_semi_supervised_flag(capsys, cli_files):
     model, npz = cli_files
-    code, out, _ = _run_cli(capsys, model, npz, "--no-linear", "--semi-supervised", "1", "--semi-mode", "head",
-                            "--semi-epochs", "3")
+    code, out, _ = _run_cli(
+        capsys, model, npz, "--no-linear", "--semi-supervised", "1", "--semi-mode", "head", "--semi-epochs", "3"
+    )
     assert code == 0
     (only,) = json.loads(out)["semi_supervised"]
     assert (only["mode"], only["augment"], only["num_labelled"]) == ("head", False, 120)

@@ -57,9 +57,17 @@ class InfoGrid:
                 replies.append(Message(Error(code=0, reason=entry), reply_to=m))
                 continue
             pid, num = entry
-            replies.append(Message(RecordDict({
-                "metrics": MetricRecord({"partition-id": pid, "num-partitions": num}),
-                "info": ConfigRecord({"host": "a" if pid % 2 else "b"})}), reply_to=m))
+            replies.append(
+                Message(
+                    RecordDict(
+                        {
+                            "metrics": MetricRecord({"partition-id": pid, "num-partitions": num}),
+                            "info": ConfigRecord({"host": "a" if pid % 2 else "b"}),
+                        }
+                    ),
+                    reply_to=m,
+                )
+            )
         return replies
 
 
@@ -81,8 +89,11 @@ def test_two_nodes_claiming_one_partition_id_are_refused():
 
 
 def test_a_node_with_another_num_partitions_is_refused():
-    with pytest.raises(FederationMismatch, match=r"^node 5 holds partition 1 of 4, but the experiment has "
-                                                 r"federation.num_clients=3"):
+    with pytest.raises(
+        FederationMismatch,
+        match=r"^node 5 holds partition 1 of 4, but the experiment has "
+        r"federation.num_clients=3",
+    ):
         discover_clients(InfoGrid({3: (0, 3), 5: (1, 4), 7: (2, 3)}), federation_cfg(), lambda _: None)
 
 
@@ -92,8 +103,11 @@ def test_partition_ids_outside_the_range_are_refused():
 
 
 def test_a_federation_of_another_size_is_refused():
-    with pytest.raises(FederationMismatch, match=r"^the experiment has federation.num_clients=3 but the federation "
-                                                 r"has 2 nodes"):
+    with pytest.raises(
+        FederationMismatch,
+        match=r"^the experiment has federation.num_clients=3 but the federation "
+        r"has 2 nodes",
+    ):
         discover_clients(InfoGrid({3: (0, 3), 5: (1, 3)}), federation_cfg(), lambda _: None)
 
 
@@ -105,18 +119,22 @@ def test_a_node_that_fails_to_report_stops_the_run():
 # ---------------------------------------------------------------------------------------------- Min-Local headline
 def test_several_models_report_the_minimum_as_headline_and_the_mean_beside_it():
     evaluator = ServerEvaluator.__new__(ServerEvaluator)  # no data needed: the scoring is replaced below
-    scores = {"m0": {"knn_acc": 0.5, "linear_probe_acc": 0.25, "num_train": 40},
-              "m1": {"knn_acc": 0.25, "linear_probe_acc": 0.75, "num_train": 40},
-              "m2": {"knn_acc": 0.375, "linear_probe_acc": 0.5, "num_train": 40}}
+    scores = {
+        "m0": {"knn_acc": 0.5, "linear_probe_acc": 0.25, "num_train": 40},
+        "m1": {"knn_acc": 0.25, "linear_probe_acc": 0.75, "num_train": 40},
+        "m2": {"knn_acc": 0.375, "linear_probe_acc": 0.5, "num_train": 40},
+    }
     evaluator.evaluate = lambda model, knn, linear: dict(scores[model.arch])
     models = {f"client_{i}": ModelToEvaluate(f"m{i}", None) for i in range(3)}
     headline, by_model = evaluator.evaluate_models(models, knn=True, linear=True)
     assert headline["knn_acc"] == 0.25 and headline["linear_probe_acc"] == 0.25  # each the minimum over models
     assert headline["knn_acc_mean"] == pytest.approx(0.375) and headline["linear_probe_acc_mean"] == pytest.approx(0.5)
     assert headline["num_train"] == 40
-    assert by_model == {"client_0": {"knn_acc": 0.5, "linear_probe_acc": 0.25},
-                        "client_1": {"knn_acc": 0.25, "linear_probe_acc": 0.75},
-                        "client_2": {"knn_acc": 0.375, "linear_probe_acc": 0.5}}
+    assert by_model == {
+        "client_0": {"knn_acc": 0.5, "linear_probe_acc": 0.25},
+        "client_1": {"knn_acc": 0.25, "linear_probe_acc": 0.75},
+        "client_2": {"knn_acc": 0.375, "linear_probe_acc": 0.5},
+    }
     one, none = evaluator.evaluate_models({"global": ModelToEvaluate("m1", None)}, knn=True, linear=True)
     assert one == scores["m1"] and none == {}  # a single model is its own headline, without a by-model table
 
@@ -126,9 +144,16 @@ class ClientAppGrid:
     """Delivers every message to the real ClientApp of its node, in this process (one Context per node)."""
 
     def __init__(self, n: int):
-        self.contexts = {100 + pid: Context(run_id=1, node_id=100 + pid, state=RecordDict(), run_config={},
-                                            node_config={"partition-id": pid, "num-partitions": n})
-                         for pid in range(n)}
+        self.contexts = {
+            100 + pid: Context(
+                run_id=1,
+                node_id=100 + pid,
+                state=RecordDict(),
+                run_config={},
+                node_config={"partition-id": pid, "num-partitions": n},
+            )
+            for pid in range(n)
+        }
         self.uploads: dict[int, dict[str, np.ndarray]] = {}
 
     def get_node_ids(self):
@@ -143,7 +168,9 @@ class ClientAppGrid:
 
 
 MIN_LOCAL = {
-    "name": "min-local-inprocess", "seed": 0, "rounds": 2,
+    "name": "min-local-inprocess",
+    "seed": 0,
+    "rounds": 2,
     "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 32, "partition": "iid"},
     "model": {"arch": "resnet18", "width": 0.125},
     "method": {"name": "simclr", "options": {"proj_hidden_dim": 16, "proj_out_dim": 8}},
@@ -173,15 +200,23 @@ def test_min_local_run_writes_one_model_file_per_client_and_a_minimum_headline(t
 
     monkeypatch.setattr(ServerEvaluator, "evaluate", evaluate)
     grid = ClientAppGrid(2)
-    server_module.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                                  run_config={"config": str(config), "output-dir": str(out)}))
+    server_module.main(
+        grid,
+        Context(
+            run_id=1,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config={"config": str(config), "output-dir": str(out)},
+        ),
+    )
 
     assert sorted(p.name for p in out.glob("*.pt")) == ["model_client_0.pt", "model_client_1.pt"]
     saved = {}
     for pid in (0, 1):  # each file holds that client's own final encoder (what it uploaded last)
         backbone, info = load_encoder_checkpoint(out / f"model_client_{pid}.pt")
         assert info["extra"]["model"] == f"client_{pid}" and info["arch"] == "resnet18"
-        upload = {k[len("backbone."):]: v for k, v in grid.uploads[pid].items() if k.startswith("backbone.")}
+        upload = {k[len("backbone.") :]: v for k, v in grid.uploads[pid].items() if k.startswith("backbone.")}
         state = backbone.state_dict()
         assert set(state) == set(upload)
         for key, value in upload.items():

@@ -207,8 +207,11 @@ def _naive_ensemble(matrices: list[torch.Tensor], masks: list[torch.Tensor | Non
     """The textbook computation: a list of dense (N, N) probability matrices, averaged at the end."""
     probabilities = []
     for matrix, mask in zip(matrices, masks):
-        row_max = torch.where(mask, matrix, -torch.inf).amax(dim=1, keepdim=True) if mask is not None else (
-            matrix.amax(dim=1, keepdim=True))
+        row_max = (
+            torch.where(mask, matrix, -torch.inf).amax(dim=1, keepdim=True)
+            if mask is not None
+            else (matrix.amax(dim=1, keepdim=True))
+        )
         exp = torch.exp((matrix - row_max) / tau)
         probabilities.append(exp * mask if mask is not None else exp)
     return sum(probabilities) / len(probabilities)
@@ -218,9 +221,11 @@ def test_streaming_ensemble_of_2000_images_equals_naive_computation() -> None:
     n, tau = 2000, 0.1
     generator = torch.Generator().manual_seed(3)
     matrices = [similarity_matrix(torch.randn(n, 32, generator=generator)) for _ in range(3)]
-    payloads = [encode_similarity(matrices[0], "topk", fraction=0.1),
-                encode_similarity(matrices[1], "dense-fp16"),
-                encode_similarity(matrices[2], "dense-fp32")]
+    payloads = [
+        encode_similarity(matrices[0], "topk", fraction=0.1),
+        encode_similarity(matrices[1], "dense-fp16"),
+        encode_similarity(matrices[2], "dense-fp32"),
+    ]
     decoded = [decode_similarity(payload, n) for payload in payloads]
     expected = _naive_ensemble([values for values, _ in decoded], [mask for _, mask in decoded], tau)
 
@@ -342,7 +347,12 @@ def test_print_peak_memory_and_time_of_streaming_topk_ensemble() -> None:
     """
     n = int(os.environ.get("FEDSSL_FLESD_MEMCHECK_N", "2000"))
     result = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT, str(n)], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", MEMORY_SCRIPT, str(n)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout.strip())

@@ -86,25 +86,30 @@ def test_configure_train_builds_one_message_per_sampled_client():
 
 def test_configure_train_samples_only_connected_clients():
     strategy = make_strategy(n=3, k=3, min_available=2, node_wait_s=0.0)
-    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(),
-                                         FakeGrid([100, 102])))
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(), FakeGrid([100, 102])))
     assert sorted(m.metadata.dst_node_id for m in msgs) == [100, 102]
 
 
 def reply_to(node, arrays, pid, n, loss):
     request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node, message_type="train")
-    return Message(RecordDict({
-        "arrays": to_array_record(arrays),
-        "metrics": MetricRecord({"partition-id": pid, "num-examples": n, "train_loss": loss, "train_s": 1.5}),
-    }), reply_to=request)
+    return Message(
+        RecordDict(
+            {
+                "arrays": to_array_record(arrays),
+                "metrics": MetricRecord({"partition-id": pid, "num-examples": n, "train_loss": loss, "train_s": 1.5}),
+            }
+        ),
+        reply_to=request,
+    )
 
 
 def test_aggregate_train_weights_by_examples_and_skips_errors():
     strategy = make_strategy()
     r1 = reply_to(100, {"w": np.array([0.0, 4.0], np.float32)}, 0, 10, 2.0)
     r2 = reply_to(101, {"w": np.array([4.0, 0.0], np.float32)}, 1, 30, 4.0)
-    failed = Message(Error(code=0, reason="boom"),
-                     reply_to=Message(RecordDict(), dst_node_id=102, message_type="train"))
+    failed = Message(
+        Error(code=0, reason="boom"), reply_to=Message(RecordDict(), dst_node_id=102, message_type="train")
+    )
     arrays, metrics = strategy.aggregate_train(1, iter([r1, r2, failed]))
     np.testing.assert_allclose(from_array_record(arrays)["w"], [3.0, 1.0])
     rec = strategy.round_records[1]
@@ -119,16 +124,18 @@ def test_aggregate_train_weights_by_examples_and_skips_errors():
 def test_aggregate_train_with_no_success_keeps_the_global_model():
     strategy = make_strategy()
     strategy.min_replies = 0  # federation.min_replies: 0 lets a round without any valid reply go on
-    failed = Message(Error(code=0, reason="boom"),
-                     reply_to=Message(RecordDict(), dst_node_id=100, message_type="train"))
+    failed = Message(
+        Error(code=0, reason="boom"), reply_to=Message(RecordDict(), dst_node_id=100, message_type="train")
+    )
     arrays, _ = strategy.aggregate_train(1, [failed])
     assert arrays is None and strategy.round_records[1]["num_clients"] == 0
 
 
 def test_too_few_valid_replies_stop_the_run():
     strategy = make_strategy()  # min_replies 1 by default
-    failed = Message(Error(code=0, reason="boom"),
-                     reply_to=Message(RecordDict(), dst_node_id=100, message_type="train"))
+    failed = Message(
+        Error(code=0, reason="boom"), reply_to=Message(RecordDict(), dst_node_id=100, message_type="train")
+    )
     with pytest.raises(RuntimeError, match=r"round 1: 0 valid replies, fewer than federation.min_replies=1 \(boom\)"):
         strategy.aggregate_train(1, [failed])
 
@@ -171,8 +178,9 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
     # each reply: "w" 2 float32 (8 + manifest line 7 + frame 270) and the state "target.w" 3 float64 (24 + 14 + 270)
     assert strategy._bytes_down[1] == 2 * 285  # round 1: the empty state records cost nothing
     assert strategy.round_records[1]["bytes_up"] == 2 * (285 + 308) == hand_bytes_of(replies)
-    msgs2 = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(),
-                                                                          FakeGrid([100, 101]))}
+    msgs2 = {
+        m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), FakeGrid([100, 101]))
+    }
     np.testing.assert_array_equal(from_array_record(msgs2[101].content["client-state"])["target.w"], [101.0] * 3)
     assert strategy._bytes_down[2] == 2 * (285 + 308) == hand_bytes_of(msgs2.values())
     # The server keeps these states on disk, not in memory.
@@ -198,9 +206,15 @@ class ReplyingGrid(FakeGrid):
             m.metadata.__dict__["_message_id"] = f"q{len(self.queried)}-{i}"
             node = m.metadata.dst_node_id
             self.queried.append(node)
-            reply = Message(RecordDict({"metrics": MetricRecord({"partition-id": self.partitions[node],
-                                                                  "num-partitions": self.num}),
-                                        "info": ConfigRecord({"host": f"h{node}"})}), reply_to=m)
+            reply = Message(
+                RecordDict(
+                    {
+                        "metrics": MetricRecord({"partition-id": self.partitions[node], "num-partitions": self.num}),
+                        "info": ConfigRecord({"host": f"h{node}"}),
+                    }
+                ),
+                reply_to=m,
+            )
             reply.metadata.__dict__["_src_node_id"] = node
             replies.append(reply)
         return replies
@@ -208,20 +222,31 @@ class ReplyingGrid(FakeGrid):
 
 def test_failed_clients_are_named_with_the_reason_or_the_missing_reply():
     strategy = make_strategy(n=3, k=3)
-    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1, np.float32)}), ConfigRecord(),
-                                         FakeGrid([100, 101, 102])))
+    msgs = list(
+        strategy.configure_train(
+            1, to_array_record({"w": np.zeros(1, np.float32)}), ConfigRecord(), FakeGrid([100, 101, 102])
+        )
+    )
     for i, m in enumerate(msgs):  # what the Grid does when it pushes them
         m.metadata.__dict__["_message_id"] = f"m{i}"
     by_node = {m.metadata.dst_node_id: m for m in msgs}
-    ok = Message(RecordDict({"arrays": to_array_record({"w": np.ones(1, np.float32)}),
-                             "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0,
-                                                      "train_s": 1.0})}), reply_to=by_node[100])
+    ok = Message(
+        RecordDict(
+            {
+                "arrays": to_array_record({"w": np.ones(1, np.float32)}),
+                "metrics": MetricRecord({"partition-id": 0, "num-examples": 5, "train_loss": 1.0, "train_s": 1.0}),
+            }
+        ),
+        reply_to=by_node[100],
+    )
     unavailable = Message(Error(code=0, reason="Node Unavailable"), reply_to=by_node[102])
     strategy.aggregate_train(1, [ok, unavailable])  # client 1 on node 101 never answered
     rec = strategy.round_records[1]
     assert rec["num_clients"] == 1 and rec["num_failed"] == 2
     assert {f["id"]: f["reason"] for f in rec["failed_clients"]} == {
-        2: "Node Unavailable", 1: "no reply before the round timeout (federation.round_timeout_s)"}
+        2: "Node Unavailable",
+        1: "no reply before the round timeout (federation.round_timeout_s)",
+    }
 
 
 def test_a_client_back_under_a_new_node_id_is_taken_in():

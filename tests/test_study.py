@@ -34,29 +34,49 @@ def write(path: Path, tree) -> Path:
 
 # ---------------------------------------------------------------------------------------------- the study file
 def test_a_study_resolves_every_run_from_its_base_and_variants(tmp_path):
-    study = load_study(write(tmp_path / "s.yaml", {
-        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [3, 4],
-        "overrides": {"data.dataset": "synthetic"},
-        "variants": {"FedBYOL": {}, "FedU (0.2)": {"strategy": {"name": "fedu", "options": {"threshold": 0.2}}},
-                     "central": {"strategy.name": "central"}}}), {"eval.max_test": 50})
+    study = load_study(
+        write(
+            tmp_path / "s.yaml",
+            {
+                "study": "demo",
+                "base": str(REPO / "configs" / "smoke.yaml"),
+                "seeds": [3, 4],
+                "overrides": {"data.dataset": "synthetic"},
+                "variants": {
+                    "FedBYOL": {},
+                    "FedU (0.2)": {"strategy": {"name": "fedu", "options": {"threshold": 0.2}}},
+                    "central": {"strategy.name": "central"},
+                },
+            },
+        ),
+        {"eval.max_test": 50},
+    )
     assert study.runs()[:3] == [("FedBYOL", 3), ("FedU (0.2)", 3), ("central", 3)]  # seed-major
     tree = study.variant_tree("FedU (0.2)", 4)
-    assert tree["seed"] == 4 and tree["name"] == "demo-fedu-0.2-seed4" and tree["strategy"]["options"] == {
-        "threshold": 0.2}
+    assert (
+        tree["seed"] == 4
+        and tree["name"] == "demo-fedu-0.2-seed4"
+        and tree["strategy"]["options"] == {"threshold": 0.2}
+    )
     assert tree["data"]["dataset"] == "synthetic" and tree["eval"]["max_test"] == 50 and tree["rounds"] == 2
     assert slug("FedEMA (autoscaler, tau 0.7)") == "fedema-autoscaler-tau-0.7"
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"variants": {"bad": {"train.learning_rate": 0.1}}}, r"^variants.bad \(seed 0\): train.learning_rate"),
-    ({"variants": {"bad": {"strategy.options.tua": 0.5, "strategy.name": "fedema"}}},
-     r"^variants.bad \(seed 0\): strategy.options.tua: unknown option"),
-    ({"base": "nowhere.yaml"}, r"^base: 'nowhere.yaml' not found"),
-    ({"seeds": [0, "one"]}, r"^seeds: must be a non-empty list of integers"),
-    ({"seeds": [0, 0]}, r"^seeds: lists a seed twice"),
-    ({"variants": {}}, r"^variants: a study lists at least one variant"),
-    ({"runs": 3}, r"^runs: unknown study key"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"variants": {"bad": {"train.learning_rate": 0.1}}}, r"^variants.bad \(seed 0\): train.learning_rate"),
+        (
+            {"variants": {"bad": {"strategy.options.tua": 0.5, "strategy.name": "fedema"}}},
+            r"^variants.bad \(seed 0\): strategy.options.tua: unknown option",
+        ),
+        ({"base": "nowhere.yaml"}, r"^base: 'nowhere.yaml' not found"),
+        ({"seeds": [0, "one"]}, r"^seeds: must be a non-empty list of integers"),
+        ({"seeds": [0, 0]}, r"^seeds: lists a seed twice"),
+        ({"variants": {}}, r"^variants: a study lists at least one variant"),
+        ({"runs": 3}, r"^runs: unknown study key"),
+    ],
+)
 def test_a_bad_study_stops_before_any_run_naming_the_key(tmp_path, change, message):
     spec = {"base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0], "variants": {"ok": {}}, **change}
     with pytest.raises(ConfigError, match=message):
@@ -64,31 +84,54 @@ def test_a_bad_study_stops_before_any_run_naming_the_key(tmp_path, change, messa
 
 
 def test_the_cli_refuses_a_bad_study_with_exit_2_and_one_line(tmp_path):
-    path = write(tmp_path / "s.yaml", {"base": str(REPO / "configs" / "smoke.yaml"),
-                                       "variants": {"typo": {"federation.num_client": 3}}})
-    proc = subprocess.run([sys.executable, "-m", "fedssl_study.cli", "run", str(path), "--out", str(tmp_path / "o")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    path = write(
+        tmp_path / "s.yaml",
+        {"base": str(REPO / "configs" / "smoke.yaml"), "variants": {"typo": {"federation.num_client": 3}}},
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedssl_study.cli", "run", str(path), "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2 and not (tmp_path / "o").exists()
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("fedssl-study: variants.typo (seed 0): federation.num_client: unknown key")
 
 
 # ---------------------------------------------------------------------------------------------- the report
-def fake_run(folder: Path, variant: str, seed: int, lp: float, knn: float, rand_lp: float, strategy="fedssl",
-             rounds=3) -> None:
+def fake_run(
+    folder: Path, variant: str, seed: int, lp: float, knn: float, rand_lp: float, strategy="fedssl", rounds=3
+) -> None:
     folder.mkdir(parents=True)
-    summary = {"name": f"s-{slug(variant)}-seed{seed}", "linear_probe_acc": lp, "knn_acc": knn,
-               "random_init": {"resnet18": {"linear_probe_acc": rand_lp, "knn_acc": 0.2}},
-               "linear_probe_gain_over_random": lp - rand_lp, "rounds_completed": rounds,
-               "bytes_up_total": 8 * 2**20, "bytes_down_total": 4 * 2**20, "run_s": 100.0 + seed,
-               "resources": {"run": {"flops_run": 2e12}},
-               "config": {"seed": seed, "rounds": rounds, "federation": {"num_clients": 2},
-                          "model": {"arch": "resnet18", "width": 0.25}, "strategy": {"name": strategy},
-                          "data": {"dataset": "cifar10", "partition": "iid", "max_train": 1000},
-                          "train": {"local_epochs": 1, "batch_size": 32}, "eval": {}}}
+    summary = {
+        "name": f"s-{slug(variant)}-seed{seed}",
+        "linear_probe_acc": lp,
+        "knn_acc": knn,
+        "random_init": {"resnet18": {"linear_probe_acc": rand_lp, "knn_acc": 0.2}},
+        "linear_probe_gain_over_random": lp - rand_lp,
+        "rounds_completed": rounds,
+        "bytes_up_total": 8 * 2**20,
+        "bytes_down_total": 4 * 2**20,
+        "run_s": 100.0 + seed,
+        "resources": {"run": {"flops_run": 2e12}},
+        "config": {
+            "seed": seed,
+            "rounds": rounds,
+            "federation": {"num_clients": 2},
+            "model": {"arch": "resnet18", "width": 0.25},
+            "strategy": {"name": strategy},
+            "data": {"dataset": "cifar10", "partition": "iid", "max_train": 1000},
+            "train": {"local_epochs": 1, "batch_size": 32},
+            "eval": {},
+        },
+    }
     (folder / "summary.json").write_text(json.dumps(summary))
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "knn_acc": knn * r / rounds}) + "\n"
-                                                  for r in range(1, rounds + 1)))
+    (folder / "metrics.jsonl").write_text(
+        "".join(json.dumps({"round": r, "knn_acc": knn * r / rounds}) + "\n" for r in range(1, rounds + 1))
+    )
     (folder / "run.json").write_text(json.dumps({"variant": variant, "seed": seed}))
 
 
@@ -106,8 +149,15 @@ def test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked(tmp
     rand = [0.33, 0.35]
     for variant, pairs in values.items():
         for seed, (lp, knn) in enumerate(pairs):
-            fake_run(tmp_path / "runs" / f"{slug(variant)}-seed{seed}", variant, seed, lp, knn, rand[seed],
-                     strategy="central" if variant == "C" else "fedssl")
+            fake_run(
+                tmp_path / "runs" / f"{slug(variant)}-seed{seed}",
+                variant,
+                seed,
+                lp,
+                knn,
+                rand[seed],
+                strategy="central" if variant == "C" else "fedssl",
+            )
     runs, order = study_runs(tmp_path)
     report = write_report(tmp_path, runs, order, title="t")
     rows = table_rows(report)
@@ -117,8 +167,10 @@ def test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked(tmp
         lp = [100 * p[0] for p in pairs]
         gain = [100 * p[0] - 100 * r for p, r in zip(pairs, rand)]
         assert cells[2] == f"{statistics.mean(lp):.2f} ± {statistics.stdev(lp):.2f}"
-        assert cells[3] == f"{statistics.mean(100 * p[1] for p in pairs):.2f} ± " \
-                           f"{statistics.stdev([100 * p[1] for p in pairs]):.2f}"
+        assert (
+            cells[3] == f"{statistics.mean(100 * p[1] for p in pairs):.2f} ± "
+            f"{statistics.stdev([100 * p[1] for p in pairs]):.2f}"
+        )
         assert cells[4] == f"{statistics.mean(gain):.2f} ± {statistics.stdev(gain):.2f}"
         assert cells[5] == " ".join(f"{v:.2f}" for v in lp)
         assert cells[8] == "4.0" and cells[9] == "2.0" and cells[10] == "2.0"  # MiB per client, TFLOP
@@ -165,32 +217,60 @@ def test_the_alignment_table_is_the_clients_mean_cka_per_round_over_seeds(tmp_pa
     """Runs whose clients log cka_start / cka_end (Hetero-SSFL, mu 0 included) get the alignment table: per round
     the clients' mean before -> after, averaged over seeds, the mean change, the rounds it fell and the kernel norm
     per architecture in the first and last round; runs without them get none."""
-    ckas = {0: [[(0.8, 0.6), (0.6, 0.6)], [(0.7, 0.9), (0.9, 0.9)]],  # seed: round: client: (start, end)
-            1: [[(0.6, 0.4), (0.4, 0.4)], [(0.5, 0.7), (0.7, 0.7)]]}
+    ckas = {
+        0: [[(0.8, 0.6), (0.6, 0.6)], [(0.7, 0.9), (0.9, 0.9)]],  # seed: round: client: (start, end)
+        1: [[(0.6, 0.4), (0.4, 0.4)], [(0.5, 0.7), (0.7, 0.7)]],
+    }
     for seed, per_round in ckas.items():
         folder = tmp_path / "runs" / f"h-seed{seed}"
         fake_run(folder, "H", seed, 0.4, 0.3, 0.33, rounds=2)
-        (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": r + 1, "knn_acc": 0.3, "clients": [
-            {"id": i, "arch": ("resnet18", "resnet34")[i], "cka_start": a, "cka_end": b, "kernel_norm": 10.0 * (i + 1)
-             * (r + 1) + seed} for i, (a, b) in enumerate(clients)]}) + "\n" for r, clients in enumerate(per_round)))
+        (folder / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "round": r + 1,
+                        "knn_acc": 0.3,
+                        "clients": [
+                            {
+                                "id": i,
+                                "arch": ("resnet18", "resnet34")[i],
+                                "cka_start": a,
+                                "cka_end": b,
+                                "kernel_norm": 10.0 * (i + 1) * (r + 1) + seed,
+                            }
+                            for i, (a, b) in enumerate(clients)
+                        ],
+                    }
+                )
+                + "\n"
+                for r, clients in enumerate(per_round)
+            )
+        )
     fake_run(tmp_path / "runs" / "plain-seed0", "plain", 0, 0.4, 0.3, 0.33)
     runs, order = study_runs(tmp_path)
     text = write_report(tmp_path, runs, order, title="t").read_text()
     alignment = text.split("<!-- --8<-- [start:alignment] -->")[1].split("<!-- --8<-- [end:alignment] -->")[0]
     (line,) = [l for l in alignment.splitlines() if l.startswith("| H |")]
     # round 1: before (0.7 + 0.5) / 2 = 0.6, after (0.6 + 0.4) / 2 = 0.5; round 2: 0.7 -> 0.8
-    assert line == ("| H | r1 0.600->0.500 r2 0.700->0.800 | +0.000 | 1 of 2 | resnet18 10.5 -> 20.5; "
-                    "resnet34 20.5 -> 40.5 |"), line
+    assert line == (
+        "| H | r1 0.600->0.500 r2 0.700->0.800 | +0.000 | 1 of 2 | resnet18 10.5 -> 20.5; resnet34 20.5 -> 40.5 |"
+    ), line
     assert "| plain |" not in alignment
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-STUDY = {"study": "e2e", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0, 1],
-         "overrides": {"data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
-                       "rounds": 3, "train.max_steps_per_epoch": 2, "eval": {"max_train": 120, "max_test": 60,
-                                                                              "probe_epochs": 3, "knn_k": 10}},
-         "variants": {"FedBYOL": {}, "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}}}
-
+STUDY = {
+    "study": "e2e",
+    "base": str(REPO / "configs" / "smoke.yaml"),
+    "seeds": [0, 1],
+    "overrides": {
+        "data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
+        "rounds": 3,
+        "train.max_steps_per_epoch": 2,
+        "eval": {"max_train": 120, "max_test": 60, "probe_epochs": 3, "knn_k": 10},
+    },
+    "variants": {"FedBYOL": {}, "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}},
+}
 
 
 def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path):
@@ -199,9 +279,18 @@ def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path)
     the launcher is closed (its private SuperLink stopped)."""
     from fedssl_study.runner import StudyRunner
 
-    study = load_study(write(tmp_path / "s.yaml", {
-        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0, 1],
-        "overrides": {"data.dataset": "synthetic"}, "variants": {"FedBYOL": {}}}))
+    study = load_study(
+        write(
+            tmp_path / "s.yaml",
+            {
+                "study": "demo",
+                "base": str(REPO / "configs" / "smoke.yaml"),
+                "seeds": [0, 1],
+                "overrides": {"data.dataset": "synthetic"},
+                "variants": {"FedBYOL": {}},
+            },
+        )
+    )
 
     class InterruptedLauncher:
         closed = 0
@@ -226,12 +315,22 @@ def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
     from fedssl_study.report import study_commands
     from fedssl_study.runner import StudyRunner
 
-    path = write(tmp_path / "s.yaml", {
-        "study": "demo", "base": str(REPO / "configs" / "smoke.yaml"), "seeds": [0],
-        "overrides": {"data.dataset": "synthetic"}, "variants": {"A": {}, "B": {"train.lr": 0.01}}})
+    path = write(
+        tmp_path / "s.yaml",
+        {
+            "study": "demo",
+            "base": str(REPO / "configs" / "smoke.yaml"),
+            "seeds": [0],
+            "overrides": {"data.dataset": "synthetic"},
+            "variants": {"A": {}, "B": {"train.lr": 0.01}},
+        },
+    )
     out = tmp_path / "out"
-    for command, only in (("fedssl-study run s.yaml --variants A", "A"), ("fedssl-study run s.yaml --variants B", "B"),
-                          ("fedssl-study run s.yaml --variants B", "B")):
+    for command, only in (
+        ("fedssl-study run s.yaml --variants A", "A"),
+        ("fedssl-study run s.yaml --variants B", "B"),
+        ("fedssl-study run s.yaml --variants B", "B"),
+    ):
         StudyRunner(load_study(path, variants=[only]), out, launcher=None, command=command).write_study_record()
     record = yaml.safe_load((out / "study.yaml").read_text())
     assert record["commands"] == ["fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B"]
@@ -243,9 +342,12 @@ def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
     # the rows keep the file's order, not the order of the last command's variants
     assert study_runs(out)[1] == ["A", "B"]
     from fedssl_study.report import report_study
+
     text = report_study(out).read_text()
-    assert "Commands, in the order they ran into this folder:\n\n- `fedssl-study run s.yaml --variants A`\n" \
-           "- `fedssl-study run s.yaml --variants B`\n" in text
+    assert (
+        "Commands, in the order they ran into this folder:\n\n- `fedssl-study run s.yaml --variants A`\n"
+        "- `fedssl-study run s.yaml --variants B`\n" in text
+    )
     assert "Command: `" not in text
     write_report(tmp_path / "one", [], [], title="t", command="fedssl-report r1 r2")
     assert "Command: `fedssl-report r1 r2`" in (tmp_path / "one" / "report.md").read_text()
@@ -260,11 +362,29 @@ def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(t
     from fedssl_study.spec import validate_experiment
 
     base = {"base": str(REPO / "configs" / "smoke.yaml"), "overrides": {"data.dataset": "synthetic"}}
-    sweep = load_study(write(tmp_path / "sweep.yaml", {**base, "study": "sweep", "seeds": [0], "variants": {
-        "tau 0.7": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}}}))
-    three = write(tmp_path / "three.yaml", {**base, "study": "three", "seeds": [0, 1], "variants": {
-        "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}},
-        "FedEMA (tau 0.5)": {"strategy": {"name": "fedema", "options": {"tau": 0.5}}}}})
+    sweep = load_study(
+        write(
+            tmp_path / "sweep.yaml",
+            {
+                **base,
+                "study": "sweep",
+                "seeds": [0],
+                "variants": {"tau 0.7": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}}},
+            },
+        )
+    )
+    three = write(
+        tmp_path / "three.yaml",
+        {
+            **base,
+            "study": "three",
+            "seeds": [0, 1],
+            "variants": {
+                "FedEMA": {"strategy": {"name": "fedema", "options": {"tau": 0.7}}},
+                "FedEMA (tau 0.5)": {"strategy": {"name": "fedema", "options": {"tau": 0.5}}},
+            },
+        },
+    )
     # the sweep's finished run, as the ServerApp leaves it (its config as summary.json records it)
     tree = sweep.variant_tree("tau 0.7", 0)
     tree["output_dir"] = str(tmp_path / "sweep-out" / "runs" / "tau-0.7-seed0")
@@ -273,8 +393,16 @@ def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(t
     summary = json.loads((done / "summary.json").read_text())
     summary["config"] = validate_experiment(tree).to_dict()
     (done / "summary.json").write_text(json.dumps(summary))
-    (done / "run.json").write_text(json.dumps({"variant": "tau 0.7", "seed": 0, "study_git_commit": "abc123",
-                                               "attempts": [{"run_id": 7, "outcome": "finished"}]}))
+    (done / "run.json").write_text(
+        json.dumps(
+            {
+                "variant": "tau 0.7",
+                "seed": 0,
+                "study_git_commit": "abc123",
+                "attempts": [{"run_id": 7, "outcome": "finished"}],
+            }
+        )
+    )
     (done / "checkpoints").mkdir()
     (done / "checkpoints" / "round-1.pt").write_bytes(b"state")
 
@@ -285,17 +413,23 @@ def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(t
         def submit(self, run_config, num_supernodes=None):
             self.submitted.append(run_config)
             from fedssl_study.launcher import LaunchError
+
             raise LaunchError("not in this test")
 
         def close(self):
             pass
 
     launcher, said = Launcher(), []
-    outcomes = StudyRunner(load_study(three), tmp_path / "out", launcher, say=said.append,
-                           reuse=[tmp_path / "sweep-out"]).run()
+    outcomes = StudyRunner(
+        load_study(three), tmp_path / "out", launcher, say=said.append, reuse=[tmp_path / "sweep-out"]
+    ).run()
     status = {(o.variant, o.seed): o.status for o in outcomes}
-    assert status == {("FedEMA", 0): "skipped", ("FedEMA (tau 0.5)", 0): "failed", ("FedEMA", 1): "failed",
-                      ("FedEMA (tau 0.5)", 1): "failed"}
+    assert status == {
+        ("FedEMA", 0): "skipped",
+        ("FedEMA (tau 0.5)", 0): "failed",
+        ("FedEMA", 1): "failed",
+        ("FedEMA (tau 0.5)", 1): "failed",
+    }
     assert len(launcher.submitted) == 3
     copied = tmp_path / "out" / "runs" / "fedema-seed0"
     assert json.loads((copied / "summary.json").read_text())["linear_probe_acc"] == 0.41
@@ -308,6 +442,7 @@ def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(t
     assert [(r.variant, r.seed) for r in runs] == [("FedEMA", 0)]
     # the data file counts by its name (a published run keeps only that): the same experiment on another machine
     from fedssl_study.runner import experiment_key
+
     resolved = validate_experiment(tree).to_dict()
     here, published, other = (json.loads(json.dumps(resolved)) for _ in range(3))
     here["data"]["path"], published["data"]["path"], other["data"]["path"] = "/a/b/cifar.npz", "cifar.npz", "/a/c.npz"
@@ -322,10 +457,16 @@ def study_cli(study: Path, out: Path, *extra: str, **kw) -> subprocess.Popen:
     # Ctrl-C as from a terminal: a test process started in the background by a shell (`cmd &` in a script) inherits
     # SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the signal this test sends would be
     # dropped. The study itself keeps whatever disposition it is given, as any program should.
-    return subprocess.Popen([sys.executable, "-m", "fedssl_study.cli", "run", str(study), "--out", str(out), *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - see above
-                            **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedssl_study.cli", "run", str(study), "--out", str(out), *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - see above
+        **kw,
+    )
 
 
 @pytest.mark.e2e
@@ -355,8 +496,9 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     assert re.search(r"\[1/4\] FedBYOL, seed 0: resuming after round [12]", output), output
     # the progress line's wall time beside the run's own (the report's "run s"), so the two do not disagree unsaid
     clock = r"(\d+h\d\dm|\d+m\d\ds|\d+s)"
-    assert re.search(rf"\[2/4\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;",
-                     output), output
+    assert re.search(
+        rf"\[2/4\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;", output
+    ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
     assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 3
@@ -367,8 +509,9 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     # The report's rows are the runs' summary.json values, mean and std recomputed here
     rows = table_rows(out / "report.md")
     for variant in ("FedBYOL", "FedEMA"):
-        summaries = [json.loads((out / "runs" / f"{slug(variant)}-seed{s}" / "summary.json").read_text())
-                     for s in (0, 1)]
+        summaries = [
+            json.loads((out / "runs" / f"{slug(variant)}-seed{s}" / "summary.json").read_text()) for s in (0, 1)
+        ]
         for column, key in ((2, "linear_probe_acc"), (3, "knn_acc"), (4, "linear_probe_gain_over_random")):
             values = [100 * s[key] for s in summaries]
             assert rows[variant][column] == f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
@@ -412,8 +555,9 @@ def test_the_score_chart_starts_at_zero_and_draws_every_seed(tmp_path, rows_coun
     def run(seed: int, acc: float) -> RunData:
         return RunData(tmp_path, "v", seed, {"linear_probe_acc": acc}, [])
 
-    rows = [Row(f"row {i}", [run(0, 0.40 + 0.001 * i), run(1, 0.42 + 0.001 * i), run(2, 0.44)])
-            for i in range(rows_count)]
+    rows = [
+        Row(f"row {i}", [run(0, 0.40 + 0.001 * i), run(1, 0.42 + 0.001 * i), run(2, 0.44)]) for i in range(rows_count)
+    ]
     fig = draw_scores(rows)
     ax = fig.axes[0]
     low, high = ax.get_ylim() if rows_count <= 20 else ax.get_xlim()

@@ -189,13 +189,16 @@ def capability(monkeypatch):
     return set_capability
 
 
-@pytest.mark.parametrize(("device", "cuda_bf16", "cpu_bf16", "expected"), [
-    ("cuda", "native", False, FastPath(torch.bfloat16, True, False)),  # bf16 GPU: bf16, no scaler
-    ("cuda", "emulated", True, FastPath(torch.float16, True, True)),  # older GPU (V100, T4): fp16 with a scaler
-    ("cuda", "none", True, FastPath(torch.float16, True, True)),
-    ("cpu", "native", True, FastPath(torch.bfloat16, True, False)),  # AMX / AVX512-BF16 CPU
-    ("cpu", "native", False, FastPath(None, True, False)),  # other CPUs: fp32 (channels-last only)
-])
+@pytest.mark.parametrize(
+    ("device", "cuda_bf16", "cpu_bf16", "expected"),
+    [
+        ("cuda", "native", False, FastPath(torch.bfloat16, True, False)),  # bf16 GPU: bf16, no scaler
+        ("cuda", "emulated", True, FastPath(torch.float16, True, True)),  # older GPU (V100, T4): fp16 with a scaler
+        ("cuda", "none", True, FastPath(torch.float16, True, True)),
+        ("cpu", "native", True, FastPath(torch.bfloat16, True, False)),  # AMX / AVX512-BF16 CPU
+        ("cpu", "native", False, FastPath(None, True, False)),  # other CPUs: fp32 (channels-last only)
+    ],
+)
 def test_fast_path_precision_follows_device_capability(capability, device, cuda_bf16, cpu_bf16, expected) -> None:
     capability(cuda_bf16=cuda_bf16, cpu_bf16=cpu_bf16)
     chosen = fast_path_for(torch.device(device), True)
@@ -204,11 +207,14 @@ def test_fast_path_precision_follows_device_capability(capability, device, cuda_
     assert fast_path_for(torch.device(device), False) == FastPath(None, False, False)  # fast_path: false
 
 
-@pytest.mark.parametrize(("device", "expected"), [
-    ("cuda:1", FastPath(torch.float16, True, True)),  # the older GPU the run was given: fp16 with a scaler
-    ("cuda:0", FastPath(torch.bfloat16, True, False)),
-    ("cuda", FastPath(torch.bfloat16, True, False)),  # no index: the current device (0)
-])
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cuda:1", FastPath(torch.float16, True, True)),  # the older GPU the run was given: fp16 with a scaler
+        ("cuda:0", FastPath(torch.bfloat16, True, False)),
+        ("cuda", FastPath(torch.bfloat16, True, False)),  # no index: the current device (0)
+    ],
+)
 def test_fast_path_asks_the_gpu_the_run_trains_on(capability, device, expected) -> None:
     capability(cuda_bf16={0: "native", 1: "emulated"})
     assert fast_path_for(torch.device(device), True) == expected
@@ -226,14 +232,16 @@ def test_train_ssl_runs_the_chosen_precision(capability, cpu_bf16, autocast, pre
     assert stats.precision == "fp32" and not any(c[1] for c in method.calls)
 
 
-@pytest.mark.parametrize(("flags", "expected"), [("fpu sse avx2 amx_bf16 amx_tile", True),
-                                                  ("fpu sse avx512f avx512_bf16", True),
-                                                  ("fpu sse avx2 avx512f", False)])
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [("fpu sse avx2 amx_bf16 amx_tile", True), ("fpu sse avx512f avx512_bf16", True), ("fpu sse avx2 avx512f", False)],
+)
 def test_cpu_bf16_detection_reads_the_cpu_flags(monkeypatch, flags, expected) -> None:
     import io
 
-    monkeypatch.setattr(training, "open", lambda *a, **k: io.StringIO(f"processor\t: 0\nflags\t\t: {flags}\n"),
-                        raising=False)
+    monkeypatch.setattr(
+        training, "open", lambda *a, **k: io.StringIO(f"processor\t: 0\nflags\t\t: {flags}\n"), raising=False
+    )
     training.cpu_has_fast_bf16.cache_clear()
     try:
         assert training.cpu_has_fast_bf16() is expected

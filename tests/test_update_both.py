@@ -41,15 +41,17 @@ def task_identity():
 
 
 def make_cfg(method: str, **strategy_options) -> ExperimentConfig:
-    return ExperimentConfig.from_dict({
-        "rounds": 2,
-        "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16, "partition": "iid"},
-        "model": {"arch": "resnet18", "width": 0.125},
-        "method": {"name": method, "options": METHODS[method]},
-        "strategy": {"name": "fedssl", "options": strategy_options},
-        "federation": {"num_clients": 2},
-        "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
-    })
+    return ExperimentConfig.from_dict(
+        {
+            "rounds": 2,
+            "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16, "partition": "iid"},
+            "model": {"arch": "resnet18", "width": 0.125},
+            "method": {"name": method, "options": METHODS[method]},
+            "strategy": {"name": "fedssl", "options": strategy_options},
+            "federation": {"num_clients": 2},
+            "train": {"local_epochs": 1, "batch_size": 16, "max_steps_per_epoch": 1, "fast_path": False},
+        }
+    )
 
 
 def strategy_for(cfg) -> FedSSL:
@@ -83,13 +85,12 @@ def test_what_the_target_takes_on_download(method, variant):
     glob = state_to_numpy(split_state(donor, donor.shared_prefixes(with_target=with_target))[0])
     local = {k: v for k, v in own.items() if not k.startswith(ONLINE[method])}  # what the client kept
     model = build_ssl_model(cfg, seed=3)
-    fedssl_download(model, glob, local, 2, {"update_both": variant == "update_both",
-                                             "aggregate_target": with_target})
+    fedssl_download(model, glob, local, 2, {"update_both": variant == "update_both", "aggregate_target": with_target})
     now = state_to_numpy(model.state_dict())
     targets = [k for k in now if k.startswith(TARGET)]
     assert targets
     for key in targets:
-        source = key[len("target_"):]
+        source = key[len("target_") :]
         expected = own[key] if variant == "default" else glob[source] if variant == "update_both" else glob[key]
         np.testing.assert_array_equal(now[key], expected, err_msg=f"{variant}: {key}")
     for key in glob:  # every array that travelled down is used as it is
@@ -106,14 +107,25 @@ def test_what_the_target_takes_on_download(method, variant):
 def test_update_both_sends_and_receives_the_online_parts_only(method):
     online = ONLINE[method]
     sizes = {}
-    for variant, options in (("default", {}), ("update_both", {"update_both": True}),
-                             ("aggregate_target", {"aggregate_target": True})):
+    for variant, options in (
+        ("default", {}),
+        ("update_both", {"update_both": True}),
+        ("aggregate_target", {"aggregate_target": True}),
+    ):
         cfg = make_cfg(method, **options)
         strategy = strategy_for(cfg)
         down = initial_arrays(cfg, strategy)
-        result = train_local_ssl(cfg, client_images(cfg, 0), down, None, server_round=1, partition_id=0, lr=0.05,
-                                 update_both=bool(options.get("update_both")),
-                                 aggregate_target=bool(options.get("aggregate_target")))
+        result = train_local_ssl(
+            cfg,
+            client_images(cfg, 0),
+            down,
+            None,
+            server_round=1,
+            partition_id=0,
+            lr=0.05,
+            update_both=bool(options.get("update_both")),
+            aggregate_target=bool(options.get("aggregate_target")),
+        )
         up = result.shared_state
         assert list(up) == list(down)  # the same parts both ways
         expected_prefixes = online + (TARGET if variant == "aggregate_target" else ())
@@ -143,8 +155,9 @@ def test_update_both_through_the_strategy_and_the_clientapp(method):
             return [100, 101]
 
     arrays = to_array_record(initial_arrays(cfg, strategy))
-    messages = list(strategy.configure_train(1, arrays, ConfigRecord({"experiment": cfg.to_json(), "lr": 0.05}),
-                                             Grid()))
+    messages = list(
+        strategy.configure_train(1, arrays, ConfigRecord({"experiment": cfg.to_json(), "lr": 0.05}), Grid())
+    )
     sent = initial_arrays(cfg, strategy)
     assert strategy._bytes_down[1] == 2 * nbytes(sent)
     replies = []
@@ -152,8 +165,13 @@ def test_update_both_through_the_strategy_and_the_clientapp(method):
         pid = msg.metadata.dst_node_id - 100
         assert msg.content["config"]["update-both"] is True and msg.content["config"]["aggregate-target"] is False
         msg.content["config"]["client-state"] = "memory"
-        ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, state=RecordDict(), run_config={},
-                      node_config={"partition-id": pid, "num-partitions": 2})
+        ctx = Context(
+            run_id=1,
+            node_id=msg.metadata.dst_node_id,
+            state=RecordDict(),
+            run_config={},
+            node_config={"partition-id": pid, "num-partitions": 2},
+        )
         out = app(msg, ctx)
         assert not out.has_error(), out.error
         assert record_names(out.content["arrays"]) == record_names(arrays)  # same parts up as down

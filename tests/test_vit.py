@@ -292,4 +292,5 @@ def test_a_momentum_copy_stays_frozen_through_growth_and_mode_changes() -> None:
     online.grow("copy")
     assert online.trainable_mode == "last_block" and not online.frozen_entirely
     assert {n for n, p in online.named_parameters() if p.requires_grad} == {
-        n for n, _ in online.named_parameters() if n.startswith(("blocks.2.", "norm."))}
+        n for n, _ in online.named_parameters() if n.startswith(("blocks.2.", "norm."))
+    }

@@ -10,9 +10,18 @@ from fedssl_wire import from_array_record, record_bytes, record_manifest, record
 from wire_bytes import NPY_HEADER_BYTES, array_bytes, hand_bytes
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [((3,), np.float32), ((40, 5), np.float16), ((40, 5), np.uint8),
-                                               ((), np.int64), ((1,), np.int64), ((64, 32, 3, 3), np.float32),
-                                               ((2048, 4096), np.float32)])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((3,), np.float32),
+        ((40, 5), np.float16),
+        ((40, 5), np.uint8),
+        ((), np.int64),
+        ((1,), np.int64),
+        ((64, 32, 3, 3), np.float32),
+        ((2048, 4096), np.float32),
+    ],
+)
 def test_flower_counts_raw_bytes_plus_a_128_byte_header_plus_the_key(shape, dtype):
     array = np.zeros(shape, dtype=dtype)
     for key in ("w", "backbone.layer4.1.conv2.weight"):
@@ -22,8 +31,11 @@ def test_flower_counts_raw_bytes_plus_a_128_byte_header_plus_the_key(shape, dtyp
 
 
 def test_hand_count_of_a_packed_record():
-    state = {"backbone.w": np.ones((4, 4), np.float32), "meta.last_round": np.array([3], np.int64),
-             "values": np.zeros((40, 5), np.float16)}
+    state = {
+        "backbone.w": np.ones((4, 4), np.float32),
+        "meta.last_round": np.array([3], np.int64),
+        "values": np.zeros((40, 5), np.float16),
+    }
     # raw 64 + 8 + 400; manifest "backbone.w\t<f4\t4,4" (18) "\n" "meta.last_round\t<i8\t1" (21) "\n"
     # "values\t<f2\t40,5" (15) = 56; frame 2 x 128 + len("manifest") + len("packed") = 270
     assert hand_bytes(state) == 472 + 56 + 270 == 798
@@ -31,9 +43,17 @@ def test_hand_count_of_a_packed_record():
     assert record_bytes(to_array_record({})) == 0
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [((3,), np.float32), ((40, 5), np.float16), ((), np.int64),
-                                               ((0, 4), np.float32), ((64, 32, 3, 3), np.float32),
-                                               ((2048, 4096), np.float32)])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((3,), np.float32),
+        ((40, 5), np.float16),
+        ((), np.int64),
+        ((0, 4), np.float32),
+        ((64, 32, 3, 3), np.float32),
+        ((2048, 4096), np.float32),
+    ],
+)
 def test_a_packed_record_is_counted_by_hand_and_read_back_exactly(shape, dtype):
     rng = np.random.default_rng(0)
     state = {"a": rng.standard_normal(shape).astype(dtype), "b.c": np.arange(7, dtype=np.uint8)}

@@ -38,8 +38,9 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args: Any, out_shape=No
     return 2 * b * h * s_q * s_k * (d_q + d_v)
 
 
-def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args: Any,
-                            out_shape=None, **kwargs: Any) -> int:
+def _cpu_sdpa_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args: Any, out_shape=None, **kwargs: Any
+) -> int:
     """Five matmuls, as torch counts the CUDA attention backward: recomputed scores, dScores, dV, dQ, dK."""
     b, h, s_q, d_q = query_shape
     s_k, d_v = key_shape[2], value_shape[3]
@@ -48,8 +49,10 @@ def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape,
 
 def _cpu_attention_mapping() -> dict[Any, Callable[..., int]]:
     mapping: dict[Any, Callable[..., int]] = {}
-    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_flop),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flop)):
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward_flop),
+    ):
         if hasattr(aten, name):
             mapping[getattr(aten, name)] = formula
     return mapping
@@ -71,19 +74,30 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _random_batch(shape: Sequence[int], batch_size: int, device: torch.device, generator: torch.Generator,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _random_batch(
+    shape: Sequence[int],
+    batch_size: int,
+    device: torch.device,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     return torch.rand(batch_size, *shape, generator=generator).to(device=device, dtype=dtype)
 
 
 def _per_sample(forward: int, backward: int, batch_size: int) -> dict[str, float]:
     fwd, bwd = forward / batch_size, backward / batch_size
-    return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "fvcore_equivalent": fwd / 2.0,
-            "batch_size": batch_size}
+    return {
+        "forward": fwd,
+        "backward": bwd,
+        "total": fwd + bwd,
+        "fvcore_equivalent": fwd / 2.0,
+        "batch_size": batch_size,
+    }
 
 
-def forward_flops(module: nn.Module, input_shape: Sequence[int], batch_size: int = 2, *,
-                  count_cpu_attention: bool = False) -> float:
+def forward_flops(
+    module: nn.Module, input_shape: Sequence[int], batch_size: int = 2, *, count_cpu_attention: bool = False
+) -> float:
     """Forward FLOPs per sample of ``module`` on inputs of ``input_shape`` (one sample, e.g. ``(3, 32, 32)``).
 
     Runs ``batch_size`` random samples in eval mode under ``no_grad`` on the module's device (no side effects:
@@ -102,21 +116,29 @@ def forward_flops(module: nn.Module, input_shape: Sequence[int], batch_size: int
     return counter.get_total_flops() / batch_size
 
 
-def backbone_training_flops(module: nn.Module, input_shape: Sequence[int], batch_size: int = 2, *,
-                            count_cpu_attention: bool = False) -> dict[str, float]:
+def backbone_training_flops(
+    module: nn.Module, input_shape: Sequence[int], batch_size: int = 2, *, count_cpu_attention: bool = False
+) -> dict[str, float]:
     """Per-sample forward / backward / total FLOPs of a supervised-style step of ``module`` alone.
 
     Forward in training mode, then ``backward`` of the summed output (which adds no counted FLOPs): what the
     section 5 reference table counts. Runs on a deep copy, so no gradient, BN statistic or generator state is
     left behind. Parameters with ``requires_grad=False`` get no weight gradient and their cost shows up.
     """
-    return function_training_flops(module, lambda work: work, input_shape, batch_size,
-                                   count_cpu_attention=count_cpu_attention)
+    return function_training_flops(
+        module, lambda work: work, input_shape, batch_size, count_cpu_attention=count_cpu_attention
+    )
 
 
-def training_step_flops(method: SSLMethod, view_shape: Sequence[int] = (3, 32, 32), batch_size: int = 2,
-                        device: torch.device | str | None = None, *, count_cpu_attention: bool = False,
-                        seed: int = 0) -> dict[str, float]:
+def training_step_flops(
+    method: SSLMethod,
+    view_shape: Sequence[int] = (3, 32, 32),
+    batch_size: int = 2,
+    device: torch.device | str | None = None,
+    *,
+    count_cpu_attention: bool = False,
+    seed: int = 0,
+) -> dict[str, float]:
     """Per-sample FLOPs of one complete SSL training step of ``method`` (an ``SSLMethod``).
 
     Counts ``method.training_step(view1, view2)`` (every online and target forward, the loss) as ``forward``
@@ -145,11 +167,15 @@ def training_step_flops(method: SSLMethod, view_shape: Sequence[int] = (3, 32, 3
     return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
 
 
-def function_training_flops(module: _ModuleT,
-                            function_of: Callable[[_ModuleT], Callable[[torch.Tensor], torch.Tensor]],
-                            input_shape: Sequence[int], batch_size: int = 2, *,
-                            device: torch.device | str | None = None,
-                            count_cpu_attention: bool = False) -> dict[str, float]:
+def function_training_flops(
+    module: _ModuleT,
+    function_of: Callable[[_ModuleT], Callable[[torch.Tensor], torch.Tensor]],
+    input_shape: Sequence[int],
+    batch_size: int = 2,
+    *,
+    device: torch.device | str | None = None,
+    count_cpu_attention: bool = False,
+) -> dict[str, float]:
     """Per-sample forward / backward / total FLOPs of ``function_of(module)`` on inputs of ``input_shape``, the
     backward being that of its summed output to every parameter that requires a gradient: the cost of a forward and
     backward through a part of a model other than its training step (e.g. Hetero-SSFL's alignment term, which
@@ -174,5 +200,4 @@ def function_training_flops(module: _ModuleT,
     return _per_sample(forward_counter.get_total_flops(), backward, batch_size)
 
 
-__all__ = ["backbone_training_flops", "flop_counter", "forward_flops", "function_training_flops",
-           "training_step_flops"]
+__all__ = ["backbone_training_flops", "flop_counter", "forward_flops", "function_training_flops", "training_step_flops"]

@@ -159,8 +159,10 @@ def analytic_training_memory(
     else:
         raise ValueError(f"batch must be a batch size or a sequence of tensors, got {type(batch).__name__}")
     run = step_fn or _default_step
-    saved = saved_activation_bytes(lambda: run(work, *inputs),  # noqa: F821 - called before `del work`
-                                   exclude=[*work.parameters(), *work.buffers()] if exclude_parameters else ())
+    saved = saved_activation_bytes(
+        lambda: run(work, *inputs),  # noqa: F821 - called before `del work`
+        exclude=[*work.parameters(), *work.buffers()] if exclude_parameters else (),
+    )
     del work
 
     parts = {

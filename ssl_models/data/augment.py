@@ -325,8 +325,9 @@ def gaussian_kernels(sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return pdf / pdf.sum(dim=1, keepdim=True)
 
 
-def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int,
-                  chosen: torch.Tensor | None = None) -> torch.Tensor:
+def gaussian_blur(
+    images: torch.Tensor, sigma: torch.Tensor, kernel_size: int, chosen: torch.Tensor | None = None
+) -> torch.Tensor:
     """Blur each sample of an (N, C, H, W) batch with its own ``sigma`` (N,), as torchvision's ``gaussian_blur``
     (separable kernel, reflect padding). Samples not ``chosen`` (when given) pass through unchanged."""
     num, channels, height, width = images.shape
@@ -371,10 +372,18 @@ class SSLAugment(nn.Module):
     @classmethod
     def from_config(cls, augment, image_size: int) -> SSLAugment:
         """The recipe of an experiment's ``augment`` section (``ssl_models.config.AugmentConfig``)."""
-        return cls(image_size=image_size, crop_scale=augment.crop_scale, crop_ratio=augment.crop_ratio,
-                   jitter=(augment.brightness, augment.contrast, augment.saturation, augment.hue),
-                   jitter_p=augment.jitter_p, grayscale_p=augment.grayscale_p, flip_p=augment.flip_p,
-                   blur_p=augment.blur_p, blur_sigma=augment.blur_sigma, blur_kernel_size=augment.blur_kernel_size)
+        return cls(
+            image_size=image_size,
+            crop_scale=augment.crop_scale,
+            crop_ratio=augment.crop_ratio,
+            jitter=(augment.brightness, augment.contrast, augment.saturation, augment.hue),
+            jitter_p=augment.jitter_p,
+            grayscale_p=augment.grayscale_p,
+            flip_p=augment.flip_p,
+            blur_p=augment.blur_p,
+            blur_sigma=augment.blur_sigma,
+            blur_kernel_size=augment.blur_kernel_size,
+        )
 
     def __init__(
         self,
@@ -407,17 +416,24 @@ class SSLAugment(nn.Module):
         self.blur_sigma = _check_range(blur_sigma, "blur_sigma")
         if blur_kernel_size == 0:
             blur_kernel_size = blur_kernel_size_for(image_size)
-        if isinstance(blur_kernel_size, bool) or not isinstance(blur_kernel_size, int) or blur_kernel_size < 1 \
-                or blur_kernel_size % 2 == 0:
+        if (
+            isinstance(blur_kernel_size, bool)
+            or not isinstance(blur_kernel_size, int)
+            or blur_kernel_size < 1
+            or blur_kernel_size % 2 == 0
+        ):
             raise ValueError(
-                f"blur_kernel_size must be 0 (automatic) or a positive odd integer, got {blur_kernel_size!r}")
+                f"blur_kernel_size must be 0 (automatic) or a positive odd integer, got {blur_kernel_size!r}"
+            )
         self.blur_kernel_size = blur_kernel_size
 
     def extra_repr(self) -> str:
-        return (f"image_size={self.image_size}, crop_scale={self.crop_scale}, crop_ratio={self.crop_ratio}, "
-                f"jitter={self.jitter}, jitter_p={self.jitter_p}, grayscale_p={self.grayscale_p}, "
-                f"flip_p={self.flip_p}, blur_p={self.blur_p}, blur_sigma={self.blur_sigma}, "
-                f"blur_kernel_size={self.blur_kernel_size}")
+        return (
+            f"image_size={self.image_size}, crop_scale={self.crop_scale}, crop_ratio={self.crop_ratio}, "
+            f"jitter={self.jitter}, jitter_p={self.jitter_p}, grayscale_p={self.grayscale_p}, "
+            f"flip_p={self.flip_p}, blur_p={self.blur_p}, blur_sigma={self.blur_sigma}, "
+            f"blur_kernel_size={self.blur_kernel_size}"
+        )
 
     def forward(self, images: ImageBatch, generator: torch.Generator | None = None) -> torch.Tensor:
         """One augmented view of every image (see the class docstring for formats)."""
@@ -453,8 +469,9 @@ class SSLAugment(nn.Module):
         target = images.device
         out = crop_flip_resize(images, boxes.to(target), flip.to(target), self.image_size)
         if self.jitter_p > 0:
-            out = color_jitter(out, factors.to(target), order.to(target), jitter_on.to(target),
-                               with_hue=self.jitter[HUE] > 0)
+            out = color_jitter(
+                out, factors.to(target), order.to(target), jitter_on.to(target), with_hue=self.jitter[HUE] > 0
+            )
         if self.grayscale_p > 0:
             out = random_grayscale(out, gray_on.to(target))
         if self.blur_p > 0:

@@ -79,8 +79,9 @@ def validate_images(images: np.ndarray, array_name: str, source: str) -> None:
         if images.ndim == 4 and images.shape[1] == 3:
             hint = " (it looks like NCHW; transpose it to NHWC with x.transpose(0, 2, 3, 1))"
         elif images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 1):
-            hint = (" (grayscale images: give them three channels, e.g. np.repeat(x.reshape(*x.shape[:3], 1), 3, "
-                    "axis=-1))")
+            hint = (
+                " (grayscale images: give them three channels, e.g. np.repeat(x.reshape(*x.shape[:3], 1), 3, axis=-1))"
+            )
         elif images.ndim == 4 and images.shape[-1] == 4:
             hint = " (RGBA images: drop the alpha channel, x[..., :3])"
         raise ValueError(
@@ -137,9 +138,11 @@ def _build_image_data(
         absent = np.setdiff1d(np.arange(implied), np.unique(y_train))
         if absent.size:
             stray = sorted(int(v) for v in np.unique(np.concatenate([y_train, y_test])) if v > absent.min())[:5]
-            raise ValueError(f"{source}: labels must be the classes 0..K-1, each with training images; these labels "
-                             f"imply {implied} classes but {absent.size} of them have no training image (the first: "
-                             f"{int(absent[0])}); labels above it: {stray}")
+            raise ValueError(
+                f"{source}: labels must be the classes 0..K-1, each with training images; these labels "
+                f"imply {implied} classes but {absent.size} of them have no training image (the first: "
+                f"{int(absent[0])}); labels above it: {stray}"
+            )
         num_classes = implied
     elif implied > num_classes:
         raise ValueError(f"{source}: labels go up to {implied - 1} but the data set has {num_classes} classes")
@@ -179,14 +182,17 @@ def _read_decoded(entry: Path, resolved_path: str, mtime_ns: int, size_bytes: in
     if marker != {"path": resolved_path, "mtime_ns": mtime_ns, "size": size_bytes}:
         return None  # another file, or another version of it: never served
     try:
-        return {key: np.load(entry / f"{key}.npy", mmap_mode="r" if key.startswith("x_") else None,
-                             allow_pickle=False) for key in NPZ_KEYS}
+        return {
+            key: np.load(entry / f"{key}.npy", mmap_mode="r" if key.startswith("x_") else None, allow_pickle=False)
+            for key in NPZ_KEYS
+        }
     except (OSError, ValueError):
         return None
 
 
-def _write_decoded(entry: Path, arrays: dict[str, np.ndarray], resolved_path: str, mtime_ns: int,
-                   size_bytes: int) -> None:
+def _write_decoded(
+    entry: Path, arrays: dict[str, np.ndarray], resolved_path: str, mtime_ns: int, size_bytes: int
+) -> None:
     """Keep the decoded arrays on disk (written to a temporary folder, then renamed), replacing the cached versions
     of older versions of the same file. A failure to write only costs the next process a decode."""
     tmp = None
@@ -195,8 +201,9 @@ def _write_decoded(entry: Path, arrays: dict[str, np.ndarray], resolved_path: st
         tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
         for key, value in arrays.items():
             np.save(tmp / f"{key}.npy", np.ascontiguousarray(value), allow_pickle=False)
-        (tmp / "complete.json").write_text(json.dumps({"path": resolved_path, "mtime_ns": mtime_ns,
-                                                       "size": size_bytes}))
+        (tmp / "complete.json").write_text(
+            json.dumps({"path": resolved_path, "mtime_ns": mtime_ns, "size": size_bytes})
+        )
         if entry.exists() and _read_decoded(entry, resolved_path, mtime_ns, size_bytes) is None:
             shutil.rmtree(entry, ignore_errors=True)  # a broken entry (an interrupted writer of an older version)
         try:
@@ -231,12 +238,16 @@ def _read_npz_archive(resolved_path: str, source: str) -> dict[str, np.ndarray]:
                 )
             return {key: archive[key] for key in NPZ_KEYS}
     except (zipfile.BadZipFile, EOFError, OSError) as exc:
-        raise ValueError(f"{source} is not a complete .npz archive ({type(exc).__name__}: {exc}); a truncated copy "
-                         "or another format? Write it again with numpy.savez") from None
+        raise ValueError(
+            f"{source} is not a complete .npz archive ({type(exc).__name__}: {exc}); a truncated copy "
+            "or another format? Write it again with numpy.savez"
+        ) from None
     except ValueError as exc:
         if "pickled" in str(exc) or "allow_pickle" in str(exc):
-            raise ValueError(f"{source} is not an .npz archive of arrays (numpy read it as pickled data); write it "
-                             f"with numpy.savez({', '.join(f'{k}=...' for k in NPZ_KEYS)})") from None
+            raise ValueError(
+                f"{source} is not an .npz archive of arrays (numpy read it as pickled data); write it "
+                f"with numpy.savez({', '.join(f'{k}=...' for k in NPZ_KEYS)})"
+            ) from None
         raise
 
 
@@ -253,14 +264,31 @@ def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> Imag
     arrays = _read_decoded(entry, resolved_path, mtime_ns, size_bytes) if entry is not None else None
     if arrays is None:
         arrays = _read_npz_archive(resolved_path, source)
-        data = _build_image_data(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
-                                 name=Path(resolved_path).stem, source=source)
+        data = _build_image_data(
+            arrays["x_train"],
+            arrays["y_train"],
+            arrays["x_test"],
+            arrays["y_test"],
+            name=Path(resolved_path).stem,
+            source=source,
+        )
         if entry is not None:
-            _write_decoded(entry, {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test,
-                                   "y_test": data.y_test}, resolved_path, mtime_ns, size_bytes)
+            _write_decoded(
+                entry,
+                {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test},
+                resolved_path,
+                mtime_ns,
+                size_bytes,
+            )
         return data
-    return _build_image_data(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
-                                 name=Path(resolved_path).stem, source=source)
+    return _build_image_data(
+        arrays["x_train"],
+        arrays["y_train"],
+        arrays["x_test"],
+        arrays["y_test"],
+        name=Path(resolved_path).stem,
+        source=source,
+    )
 
 
 def load_npz(path: str | Path, name: str | None = None, num_classes: int | None = None) -> ImageData:
@@ -317,7 +345,12 @@ def _load_torchvision_cached(name: str, root: str, download: bool) -> ImageData:
     x_train, y_train = _read_torchvision_split(name, root, train=True, download=download)
     x_test, y_test = _read_torchvision_split(name, root, train=False, download=download)
     return _build_image_data(
-        x_train, y_train, x_test, y_test, name=name, source=f"torchvision {name} under {root}",
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        name=name,
+        source=f"torchvision {name} under {root}",
         num_classes=TORCHVISION_DATASETS[name],
     )
 
@@ -392,8 +425,12 @@ def synthetic_dataset(
     yet a kNN on raw pixels does clearly better than chance, so the whole pipeline (augment ->
     train -> kNN eval) can be smoke tested without any file. Same arguments -> identical arrays.
     """
-    for arg_name, value, lowest in (("num_train", num_train, 1), ("num_test", num_test, 1),
-                                    ("num_classes", num_classes, 2), ("image_size", image_size, 4)):
+    for arg_name, value, lowest in (
+        ("num_train", num_train, 1),
+        ("num_test", num_test, 1),
+        ("num_classes", num_classes, 2),
+        ("image_size", image_size, 4),
+    ):
         if int(value) != value or value < lowest:
             raise ValueError(f"{arg_name} must be an integer >= {lowest}, got {value!r}")
     rng = np.random.default_rng(seed)

@@ -93,8 +93,7 @@ def stratified_choice(labels: np.ndarray, count: int, rng: np.random.Generator) 
     classes, class_counts = np.unique(labels, return_counts=True)
     alloc = stratified_allocation(class_counts, count)
     chosen = [
-        rng.choice(np.flatnonzero(labels == cls), size=int(take), replace=False)
-        for cls, take in zip(classes, alloc)
+        rng.choice(np.flatnonzero(labels == cls), size=int(take), replace=False) for cls, take in zip(classes, alloc)
     ]
     return _sorted_int64(np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64))
 
@@ -166,8 +165,10 @@ def pathological_classes(num_clients: int, classes_per_client: int, num_classes:
     Consecutive clients take consecutive blocks of classes, wrapping around, so every class is owned
     by someone as soon as ``num_clients * C >= K``.
     """
-    return [[(client * classes_per_client + j) % num_classes for j in range(classes_per_client)]
-            for client in range(num_clients)]
+    return [
+        [(client * classes_per_client + j) % num_classes for j in range(classes_per_client)]
+        for client in range(num_clients)
+    ]
 
 
 def pathological_partition(
@@ -294,10 +295,12 @@ def partition_summary(labels: np.ndarray, parts: Sequence[np.ndarray], num_class
         counts = np.bincount(labels[np.asarray(part, dtype=np.int64)], minlength=num_classes)
         if counts.shape[0] > num_classes:
             raise ValueError(f"labels go up to {counts.shape[0] - 1} but num_classes is {num_classes}")
-        summary.append({
-            "client": client,
-            "size": len(part),
-            "class_counts": [int(c) for c in counts],
-            "classes_present": int(np.count_nonzero(counts)),
-        })
+        summary.append(
+            {
+                "client": client,
+                "size": len(part),
+                "class_counts": [int(c) for c in counts],
+                "classes_present": int(np.count_nonzero(counts)),
+            }
+        )
     return summary

@@ -51,9 +51,11 @@ def split_checked(cfg: ExperimentConfig, labels: np.ndarray) -> FederatedSplit:
     d = cfg.data
     present = int(np.unique(labels).size)
     if d.partition == "pathological" and d.classes_per_client > present:
-        raise ConfigError(f"data.classes_per_client: {d.classes_per_client} is more than the {present} "
-                          f"class{'es' if present != 1 else ''} the training labels hold ({cfg.data.path or cfg.data.dataset}); give at most {present}, or "
-                          "data.partition: dirichlet or iid")
+        raise ConfigError(
+            f"data.classes_per_client: {d.classes_per_client} is more than the {present} "
+            f"class{'es' if present != 1 else ''} the training labels hold ({cfg.data.path or cfg.data.dataset}); give at most {present}, or "
+            "data.partition: dirichlet or iid"
+        )
     try:
         return federated_split(cfg, labels)
     except ValueError as exc:
@@ -67,17 +69,23 @@ def eval_checked(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np
     at least two classes among the images they are fitted on and at least one image to score."""
     where = cfg.data.path or cfg.data.dataset
     if data.num_classes < 2:
-        raise ConfigError(f"{_data_key(cfg)}: the labelled data ({where}) holds {data.num_classes} class; the "
-                          "evaluation (kNN and linear probe) needs at least two classes to score an encoder")
+        raise ConfigError(
+            f"{_data_key(cfg)}: the labelled data ({where}) holds {data.num_classes} class; the "
+            "evaluation (kNN and linear probe) needs at least two classes to score an encoder"
+        )
     train_idx, test_idx = eval_subsets(cfg, data)
     if len(test_idx) == 0:
-        raise ConfigError(f"{_data_key(cfg)}: the test split of {where} holds no images; the evaluation scores the "
-                          "encoder on it (give x_test and y_test)")
+        raise ConfigError(
+            f"{_data_key(cfg)}: the test split of {where} holds no images; the evaluation scores the "
+            "encoder on it (give x_test and y_test)"
+        )
     fitted_classes = int(np.unique(data.y_train[train_idx]).size)
     if fitted_classes < 2:
-        raise ConfigError(f"eval.max_train: the {len(train_idx)} labelled training images the evaluation fits on hold "
-                          f"{fitted_classes} class; kNN and the linear probe need at least two (raise "
-                          "eval.max_train, or 0 for all)")
+        raise ConfigError(
+            f"eval.max_train: the {len(train_idx)} labelled training images the evaluation fits on hold "
+            f"{fitted_classes} class; kNN and the linear probe need at least two (raise "
+            "eval.max_train, or 0 for all)"
+        )
     return train_idx, test_idx
 
 

@@ -28,14 +28,28 @@ class FederatedSplit:
 def load_experiment_data(cfg: ExperimentConfig, path: str | None = None) -> ImageData:
     """The experiment's data set (files are cached by ``ssl_models.data.datasets``). ``path`` overrides data.path."""
     d = cfg.data
-    return load_dataset(d.dataset, path=(path or d.path or None), download=d.download, seed=cfg.seed,
-                        synthetic_sizes=(d.synthetic_train, d.synthetic_test, d.synthetic_classes))
+    return load_dataset(
+        d.dataset,
+        path=(path or d.path or None),
+        download=d.download,
+        seed=cfg.seed,
+        synthetic_sizes=(d.synthetic_train, d.synthetic_test, d.synthetic_classes),
+    )
 
 
 def federated_split(cfg: ExperimentConfig, labels: np.ndarray) -> FederatedSplit:
     d = cfg.data
-    key = (d.max_train, d.public_size, d.partition, d.alpha, d.min_size, d.classes_per_client,
-           cfg.federation.num_clients, cfg.seed, hashlib.sha1(labels.tobytes()).hexdigest())
+    key = (
+        d.max_train,
+        d.public_size,
+        d.partition,
+        d.alpha,
+        d.min_size,
+        d.classes_per_client,
+        cfg.federation.num_clients,
+        cfg.seed,
+        hashlib.sha1(labels.tobytes()).hexdigest(),
+    )
     # Simulated clients share a process and ask for the same split every round: compute it once.
     if key not in _SPLIT_CACHE:
         if len(_SPLIT_CACHE) >= 4:
@@ -55,8 +69,9 @@ def _compute_split(key: tuple, labels: np.ndarray) -> FederatedSplit:
         size = int(public_size) if public_size >= 1 else float(public_size)
         pub_local, rest_local = public_split(labels[used], size, seed=seed + 1)
         public, used = used[pub_local], used[rest_local]
-    kwargs = {"dirichlet": {"alpha": alpha, "min_size": min_size},
-              "pathological": {"classes_per_client": cpc}}.get(scheme, {})
+    kwargs = {"dirichlet": {"alpha": alpha, "min_size": min_size}, "pathological": {"classes_per_client": cpc}}.get(
+        scheme, {}
+    )
     parts = partition_indices(labels[used], scheme, num_clients, seed + 2, **kwargs)
     return FederatedSplit(public_idx=np.sort(public), client_idx=tuple(np.sort(used[p]) for p in parts))
 
@@ -108,5 +123,7 @@ def eval_subsets(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np
     """Indices of the labelled train images (kNN bank, probe fit) and test images used for evaluation."""
     e = cfg.eval
     train_seed, test_seed = eval_subset_seeds(cfg)
-    return (subsample(data.y_train, e.max_train or None, seed=train_seed),
-            subsample(data.y_test, e.max_test or None, seed=test_seed))
+    return (
+        subsample(data.y_train, e.max_train or None, seed=train_seed),
+        subsample(data.y_test, e.max_test or None, seed=test_seed),
+    )

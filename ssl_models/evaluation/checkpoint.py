@@ -77,8 +77,9 @@ def _arch_options_of(backbone: nn.Module, arch: str) -> dict[str, Any]:
     return {}
 
 
-def _check_matches_architecture(state_dict: dict[str, torch.Tensor], arch: str, width: float,
-                                arch_options: dict[str, Any] | None = None) -> int:
+def _check_matches_architecture(
+    state_dict: dict[str, torch.Tensor], arch: str, width: float, arch_options: dict[str, Any] | None = None
+) -> int:
     """Build ``arch``/``width`` (with ``arch_options``) and compare parameter names and shapes; return its
     feature_dim."""
     reference, feature_dim = build_backbone(arch, width, **(arch_options or {}))
@@ -176,8 +177,9 @@ def load_encoder_checkpoint(
     norm = payload.get("input_normalization")
     arch_options = payload.get("arch_options") or {}
     try:
-        backbone, feature_dim = build_backbone(payload["arch"], payload["width"],
-                                               None if norm is None else (norm["mean"], norm["std"]), **arch_options)
+        backbone, feature_dim = build_backbone(
+            payload["arch"], payload["width"], None if norm is None else (norm["mean"], norm["std"]), **arch_options
+        )
         backbone.load_state_dict(payload["state_dict"], strict=True)
     except (ValueError, RuntimeError, TypeError, KeyError) as error:
         raise CheckpointError(

@@ -107,55 +107,122 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
         description="Evaluate a saved SSL encoder with weighted kNN and a linear probe on frozen features, and "
-                    "optionally by semi-supervised fine-tuning on a fraction of the labels.",
+        "optionally by semi-supervised fine-tuning on a fraction of the labels.",
     )
-    parser.add_argument("model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt); "
-                                      "omitted with --random-init")
-    parser.add_argument("data", nargs="?", default=None,
-                        help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)")
-    parser.add_argument("--random-init", metavar="ARCH", default=None,
-                        help="score a randomly initialised encoder of this architecture instead of a checkpoint")
-    parser.add_argument("--width", type=_positive_float, default=1.0,
-                        help="channel width multiplier of --random-init (default %(default)s)")
-    parser.add_argument("--init-seed", type=int, default=None,
-                        help="torch seed of --random-init's weights (default: the protocol seed)")
-    parser.add_argument("--input-mean", type=_three_floats, default=None,
-                        help="--random-init: input normalisation mean r,g,b (with --input-std)")
-    parser.add_argument("--input-std", type=_three_floats, default=None,
-                        help="--random-init: input normalisation std r,g,b (with --input-mean)")
-    parser.add_argument("--knn-k", type=_positive_int, default=None,
-                        help=f"neighbours in the weighted kNN vote (default: the checkpoint's protocol, else "
-                             f"{DEFAULT_PROTOCOL['knn_k']})")
-    parser.add_argument("--knn-t", type=_positive_float, default=None,
-                        help=f"kNN temperature (default: the checkpoint's, else {DEFAULT_PROTOCOL['knn_temperature']})")
-    parser.add_argument("--probe-epochs", type=_positive_int, default=None,
-                        help=f"linear-probe epochs (default: the checkpoint's, else {DEFAULT_PROTOCOL['probe_epochs']})")
-    parser.add_argument("--max-train", type=_positive_int, default=None,
-                        help="class-stratified, seeded subsample of the train split (default: the checkpoint's, "
-                             "else all)")
-    parser.add_argument("--max-test", type=_positive_int, default=None,
-                        help="class-stratified, seeded subsample of the test split (default: the checkpoint's, "
-                             "else all)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto picks cuda when available (default %(default)s)")
-    parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_PROTOCOL["feature_batch_size"],
-                        help="feature-extraction batch size (default %(default)s)")
-    parser.add_argument("--export-features", metavar="PATH", default=None,
-                        help="also write train/test features and labels to this .npz")
+    parser.add_argument(
+        "model", help="encoder checkpoint written by save_encoder_checkpoint (model.pt); omitted with --random-init"
+    )
+    parser.add_argument(
+        "data", nargs="?", default=None, help=".npz with x_train, y_train, x_test, y_test (NHWC uint8 images)"
+    )
+    parser.add_argument(
+        "--random-init",
+        metavar="ARCH",
+        default=None,
+        help="score a randomly initialised encoder of this architecture instead of a checkpoint",
+    )
+    parser.add_argument(
+        "--width",
+        type=_positive_float,
+        default=1.0,
+        help="channel width multiplier of --random-init (default %(default)s)",
+    )
+    parser.add_argument(
+        "--init-seed", type=int, default=None, help="torch seed of --random-init's weights (default: the protocol seed)"
+    )
+    parser.add_argument(
+        "--input-mean",
+        type=_three_floats,
+        default=None,
+        help="--random-init: input normalisation mean r,g,b (with --input-std)",
+    )
+    parser.add_argument(
+        "--input-std",
+        type=_three_floats,
+        default=None,
+        help="--random-init: input normalisation std r,g,b (with --input-mean)",
+    )
+    parser.add_argument(
+        "--knn-k",
+        type=_positive_int,
+        default=None,
+        help=f"neighbours in the weighted kNN vote (default: the checkpoint's protocol, else "
+        f"{DEFAULT_PROTOCOL['knn_k']})",
+    )
+    parser.add_argument(
+        "--knn-t",
+        type=_positive_float,
+        default=None,
+        help=f"kNN temperature (default: the checkpoint's, else {DEFAULT_PROTOCOL['knn_temperature']})",
+    )
+    parser.add_argument(
+        "--probe-epochs",
+        type=_positive_int,
+        default=None,
+        help=f"linear-probe epochs (default: the checkpoint's, else {DEFAULT_PROTOCOL['probe_epochs']})",
+    )
+    parser.add_argument(
+        "--max-train",
+        type=_positive_int,
+        default=None,
+        help="class-stratified, seeded subsample of the train split (default: the checkpoint's, else all)",
+    )
+    parser.add_argument(
+        "--max-test",
+        type=_positive_int,
+        default=None,
+        help="class-stratified, seeded subsample of the test split (default: the checkpoint's, else all)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto picks cuda when available (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_PROTOCOL["feature_batch_size"],
+        help="feature-extraction batch size (default %(default)s)",
+    )
+    parser.add_argument(
+        "--export-features", metavar="PATH", default=None, help="also write train/test features and labels to this .npz"
+    )
     parser.add_argument("--no-linear", action="store_true", help="skip the linear probe (kNN only)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the subsampling and the probe's shuffling (default: the checkpoint's, else "
-                             f"{DEFAULT_PROTOCOL['seed']})")
-    parser.add_argument("--semi-supervised", metavar="FRACTIONS", type=_label_fractions, default=[],
-                        help="also fine-tune on these class-balanced label fractions, comma-separated "
-                             "(e.g. 0.01,0.1) and report their test accuracies")
-    parser.add_argument("--semi-epochs", type=_positive_int, default=SEMI_SUPERVISED_PROTOCOL["epochs"],
-                        help="semi-supervised training epochs (default %(default)s)")
-    parser.add_argument("--semi-mode", choices=SEMI_SUPERVISED_MODES, default=SEMI_SUPERVISED_PROTOCOL["mode"],
-                        help="finetune: train encoder + MLP head; head: frozen encoder in eval mode, train the "
-                             "head only (default %(default)s)")
-    parser.add_argument("--semi-lr", type=_positive_float, default=SEMI_SUPERVISED_PROTOCOL["lr"],
-                        help="semi-supervised Adam learning rate (default %(default)s)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the subsampling and the probe's shuffling (default: the checkpoint's, else "
+        f"{DEFAULT_PROTOCOL['seed']})",
+    )
+    parser.add_argument(
+        "--semi-supervised",
+        metavar="FRACTIONS",
+        type=_label_fractions,
+        default=[],
+        help="also fine-tune on these class-balanced label fractions, comma-separated "
+        "(e.g. 0.01,0.1) and report their test accuracies",
+    )
+    parser.add_argument(
+        "--semi-epochs",
+        type=_positive_int,
+        default=SEMI_SUPERVISED_PROTOCOL["epochs"],
+        help="semi-supervised training epochs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--semi-mode",
+        choices=SEMI_SUPERVISED_MODES,
+        default=SEMI_SUPERVISED_PROTOCOL["mode"],
+        help="finetune: train encoder + MLP head; head: frozen encoder in eval mode, train the "
+        "head only (default %(default)s)",
+    )
+    parser.add_argument(
+        "--semi-lr",
+        type=_positive_float,
+        default=SEMI_SUPERVISED_PROTOCOL["lr"],
+        help="semi-supervised Adam learning rate (default %(default)s)",
+    )
     return parser
 
 
@@ -227,21 +294,34 @@ def semi_supervised_records(
     for fraction in args.semi_supervised:
         try:
             record = semi_supervised_accuracy(
-                backbone, x_train, y_train, x_test, y_test, num_classes, fraction,
-                epochs=args.semi_epochs, lr=args.semi_lr, mode=args.semi_mode, device=device, seed=args.seed,
+                backbone,
+                x_train,
+                y_train,
+                x_test,
+                y_test,
+                num_classes,
+                fraction,
+                epochs=args.semi_epochs,
+                lr=args.semi_lr,
+                mode=args.semi_mode,
+                device=device,
+                seed=args.seed,
                 feature_batch_size=args.batch_size,
             )
         except ValueError as error:  # e.g. a class missing from a tiny --max-train subsample
             raise UsageError(f"--semi-supervised {fraction}: {error}") from error
         record["seconds"] = round(record["seconds"], 3)
-        _progress(f"semi-supervised {args.semi_mode} on {record['num_labelled']} labels "
-                  f"(fraction {fraction}): accuracy={record['accuracy']}")
+        _progress(
+            f"semi-supervised {args.semi_mode} on {record['num_labelled']} labels "
+            f"(fraction {fraction}): accuracy={record['accuracy']}"
+        )
         records.append(record)
     return records
 
 
-def _random_init_model(args: argparse.Namespace, seed: int, device: torch.device
-                       ) -> tuple[torch.nn.Module, dict[str, Any]]:
+def _random_init_model(
+    args: argparse.Namespace, seed: int, device: torch.device
+) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A never-trained encoder of ``--random-init ARCH``: ``torch.manual_seed`` then ``build_backbone``, which is
     how a run draws its initial model (``ssl_models.factory.build_ssl_model`` builds the backbone first)."""
     if (args.input_mean is None) != (args.input_std is None):
@@ -256,20 +336,35 @@ def _random_init_model(args: argparse.Namespace, seed: int, device: torch.device
     except ValueError as error:
         raise UsageError(f"--random-init: {error}") from error
     backbone.to(device).eval()
-    return backbone, {"arch": args.random_init, "width": float(args.width), "feature_dim": feature_dim,
-                      "input_normalization": None if normalization is None else
-                      {"mean": list(normalization[0]), "std": list(normalization[1])},
-                      "extra": {}, "random_init_seed": init_seed}
+    return backbone, {
+        "arch": args.random_init,
+        "width": float(args.width),
+        "feature_dim": feature_dim,
+        "input_normalization": None
+        if normalization is None
+        else {"mean": list(normalization[0]), "std": list(normalization[1])},
+        "extra": {},
+        "random_init_seed": init_seed,
+    }
 
 
 def resolve_protocol(args: argparse.Namespace, recorded: dict[str, Any] | None) -> dict[str, Any]:
     """The protocol to apply: each option from the command line, else the checkpoint's recorded protocol (the
     run's own), else the defaults. Returns the options plus the subsample seeds and where they came from."""
     recorded = recorded or {}
-    given = {"knn_k": args.knn_k, "knn_temperature": args.knn_t, "probe_epochs": args.probe_epochs,
-             "max_train": args.max_train, "max_test": args.max_test, "seed": args.seed}
-    defaults = {**{k: DEFAULT_PROTOCOL[k] for k in ("knn_k", "knn_temperature", "probe_epochs", "seed")},
-                "max_train": None, "max_test": None}
+    given = {
+        "knn_k": args.knn_k,
+        "knn_temperature": args.knn_t,
+        "probe_epochs": args.probe_epochs,
+        "max_train": args.max_train,
+        "max_test": args.max_test,
+        "seed": args.seed,
+    }
+    defaults = {
+        **{k: DEFAULT_PROTOCOL[k] for k in ("knn_k", "knn_temperature", "probe_epochs", "seed")},
+        "max_train": None,
+        "max_test": None,
+    }
     out, source = {}, {}
     for key, value in given.items():
         if value is not None:
@@ -283,9 +378,15 @@ def resolve_protocol(args: argparse.Namespace, recorded: dict[str, Any] | None) 
         out["train_subset_seed"], out["test_subset_seed"] = recorded["train_subset_seed"], recorded["test_subset_seed"]
     else:
         out["train_subset_seed"] = out["test_subset_seed"] = out["seed"]
-    out["source"] = ("checkpoint" if set(source.values()) <= {"checkpoint"} else
-                     "command line" if "checkpoint" not in source.values() and "command line" in source.values()
-                     else "defaults" if set(source.values()) == {"default"} else "mixed")
+    out["source"] = (
+        "checkpoint"
+        if set(source.values()) <= {"checkpoint"}
+        else "command line"
+        if "checkpoint" not in source.values() and "command line" in source.values()
+        else "defaults"
+        if set(source.values()) == {"default"}
+        else "mixed"
+    )
     out["source_by_option"] = source
     return out
 
@@ -300,8 +401,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.data, args.model = args.model, None
         chosen = resolve_protocol(args, None)
         backbone, info = _random_init_model(args, chosen["seed"], device)
-        _progress(f"random init of {info['arch']} (width {info['width']}, torch seed {info['random_init_seed']}, "
-                  f"{info['feature_dim']}-d features) on {device}")
+        _progress(
+            f"random init of {info['arch']} (width {info['width']}, torch seed {info['random_init_seed']}, "
+            f"{info['feature_dim']}-d features) on {device}"
+        )
     else:
         if args.data is None:
             raise UsageError("give a checkpoint and a data file (or --random-init ARCH and a data file)")
@@ -317,8 +420,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"data file {args.data} has an empty train or test split")
     present = np.unique(np.asarray(y_train)).size
     if data.num_classes < 2 or present < 2:  # kNN and the linear probe score a choice between classes
-        raise UsageError(f"data file {args.data}: its training labels hold {present} class(es) "
-                         f"({data.num_classes} in the file); scoring an encoder needs labelled images of at least 2")
+        raise UsageError(
+            f"data file {args.data}: its training labels hold {present} class(es) "
+            f"({data.num_classes} in the file); scoring an encoder needs labelled images of at least 2"
+        )
     _progress(f"{len(x_train)} train / {len(x_test)} test images, {data.num_classes} classes")
     args.seed = chosen["seed"]  # the semi-supervised step uses the same seed
     protocol = {
@@ -332,8 +437,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": chosen["seed"],
     }
     result = evaluate_backbone(
-        backbone, x_train, y_train, x_test, y_test, data.num_classes, device,
-        knn=True, linear=not args.no_linear, return_features=args.export_features is not None, **protocol,
+        backbone,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        data.num_classes,
+        device,
+        knn=True,
+        linear=not args.no_linear,
+        return_features=args.export_features is not None,
+        **protocol,
     )
     _progress(f"knn_acc={result['knn_acc']} linear_probe_acc={result['linear_probe_acc']}")
     if args.export_features is not None:
@@ -365,10 +479,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "semi_supervised": semi_supervised,
         "random_init": args.random_init is not None,
         "protocol": {
-            **protocol, "max_train": chosen["max_train"], "max_test": chosen["max_test"],
-            "train_subset_seed": chosen["train_subset_seed"], "test_subset_seed": chosen["test_subset_seed"],
-            "source": chosen["source"], "linear": not args.no_linear,
-            "semi_epochs": args.semi_epochs, "semi_lr": args.semi_lr, "semi_mode": args.semi_mode,
+            **protocol,
+            "max_train": chosen["max_train"],
+            "max_test": chosen["max_test"],
+            "train_subset_seed": chosen["train_subset_seed"],
+            "test_subset_seed": chosen["test_subset_seed"],
+            "source": chosen["source"],
+            "linear": not args.no_linear,
+            "semi_epochs": args.semi_epochs,
+            "semi_lr": args.semi_lr,
+            "semi_mode": args.semi_mode,
             "semi_batch_size": SEMI_SUPERVISED_PROTOCOL["batch_size"],
         },
         "seconds": round(time.perf_counter() - started, 3),

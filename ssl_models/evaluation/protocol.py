@@ -355,8 +355,14 @@ def linear_probe_accuracy(
     train, test = train.to(device), test.to(device)
     mean, std = standardisation_stats(train)
     probe = fit_linear_probe(
-        (train - mean) / std, train_y, num_classes,
-        epochs=epochs, lr=lr, batch_size=batch_size, weight_decay=weight_decay, seed=seed,
+        (train - mean) / std,
+        train_y,
+        num_classes,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        weight_decay=weight_decay,
+        seed=seed,
     )
     with torch.no_grad():
         predicted = probe((test - mean) / std).argmax(dim=1)
@@ -412,16 +418,29 @@ def evaluate_backbone(
     if knn:
         started = time.perf_counter()
         result["knn_acc"] = knn_accuracy(
-            train_feats.to(device), y_train, test_feats.to(device), y_test, num_classes,
-            k=knn_k, temperature=knn_temperature,
+            train_feats.to(device),
+            y_train,
+            test_feats.to(device),
+            y_test,
+            num_classes,
+            k=knn_k,
+            temperature=knn_temperature,
         )
         seconds["knn"] = time.perf_counter() - started
     if linear:
         started = time.perf_counter()
         result["linear_probe_acc"] = linear_probe_accuracy(
-            train_feats, y_train, test_feats, y_test, num_classes,
-            epochs=probe_epochs, lr=probe_lr, batch_size=probe_batch_size,
-            weight_decay=probe_weight_decay, seed=seed, device=device,
+            train_feats,
+            y_train,
+            test_feats,
+            y_test,
+            num_classes,
+            epochs=probe_epochs,
+            lr=probe_lr,
+            batch_size=probe_batch_size,
+            weight_decay=probe_weight_decay,
+            seed=seed,
+            device=device,
         )
         seconds["linear_probe"] = time.perf_counter() - started
     result["seconds"] = seconds
@@ -609,8 +628,14 @@ def fit_mlp_head(
     generator = torch.Generator().manual_seed(seed)
     head = build_mlp_head(features.shape[1], num_classes, hidden_dim, generator).to(features.device)
     _fit_classifier(
-        head, features.shape[0], lambda index: features[index], labels.to(features.device),
-        epochs=epochs, lr=lr, batch_size=batch_size, generator=generator,
+        head,
+        features.shape[0],
+        lambda index: features[index],
+        labels.to(features.device),
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        generator=generator,
     )
     return head
 
@@ -652,8 +677,14 @@ def _finetune_classifier(
         return to_float_nchw(batch).contiguous()
 
     _fit_classifier(
-        classifier, len(images), inputs_of, labels.to(device),
-        epochs=epochs, lr=lr, batch_size=batch_size, generator=generator,
+        classifier,
+        len(images),
+        inputs_of,
+        labels.to(device),
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        generator=generator,
     )
     return classifier
 
@@ -710,16 +741,31 @@ def semi_supervised_accuracy(
     images, labels = x_train[subset], train_y[torch.from_numpy(subset)]
     if mode == "finetune":
         classifier = _finetune_classifier(
-            backbone, images, labels, num_classes, hidden_dim=hidden_dim, epochs=epochs, lr=lr,
-            batch_size=batch_size, augment=augment, device=device, seed=seed,
+            backbone,
+            images,
+            labels,
+            num_classes,
+            hidden_dim=hidden_dim,
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            augment=augment,
+            device=device,
+            seed=seed,
         )
         # extract_features runs any module in eval() mode over uint8 images: here it yields the logits.
         logits = extract_features(classifier, x_test, device=device, batch_size=feature_batch_size)
     else:
         train_feats = extract_features(backbone, images, device=device, batch_size=feature_batch_size)
         head = fit_mlp_head(
-            train_feats.to(device), labels, num_classes, hidden_dim=hidden_dim, epochs=epochs, lr=lr,
-            batch_size=batch_size, seed=seed,
+            train_feats.to(device),
+            labels,
+            num_classes,
+            hidden_dim=hidden_dim,
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            seed=seed,
         )
         test_feats = extract_features(backbone, x_test, device=device, batch_size=feature_batch_size)
         with torch.no_grad():

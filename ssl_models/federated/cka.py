@@ -101,8 +101,7 @@ def center_kernel(kernel: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     return kernel - kernel.mean(dim=0, keepdim=True) - kernel.mean(dim=1, keepdim=True) + kernel.mean()
 
 
-def cka(kernel_x: torch.Tensor, kernel_y: torch.Tensor, *, debiased: bool = False,
-        eps: float = 0.0) -> torch.Tensor:
+def cka(kernel_x: torch.Tensor, kernel_y: torch.Tensor, *, debiased: bool = False, eps: float = 0.0) -> torch.Tensor:
     """CKA of two n x n kernels (Gram form): ``<HKH, HLH>_F / (||HKH||_F ||HLH||_F + eps)``.
 
     With ``debiased`` the U-centred kernels replace ``HKH`` and ``HLH``. Differentiable in both kernels.
@@ -121,15 +120,17 @@ def _frobenius(matrix: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ features
-def _debiased_dot(xty_sq: torch.Tensor, rows_x: torch.Tensor, rows_y: torch.Tensor, norm_x: torch.Tensor,
-                  norm_y: torch.Tensor, n: int) -> torch.Tensor:
+def _debiased_dot(
+    xty_sq: torch.Tensor, rows_x: torch.Tensor, rows_y: torch.Tensor, norm_x: torch.Tensor, norm_y: torch.Tensor, n: int
+) -> torch.Tensor:
     """Kornblith et al.'s debiased dot-product similarity: the unbiased HSIC estimate up to a factor that
     cancels in CKA, from the squared norm of the cross product and the rows' squared norms."""
     return xty_sq - n / (n - 2.0) * (rows_x * rows_y).sum() + norm_x * norm_y / ((n - 1.0) * (n - 2.0))
 
 
-def linear_cka(features_x: torch.Tensor, features_y: torch.Tensor, *, debiased: bool = False,
-               eps: float = 0.0) -> torch.Tensor:
+def linear_cka(
+    features_x: torch.Tensor, features_y: torch.Tensor, *, debiased: bool = False, eps: float = 0.0
+) -> torch.Tensor:
     """Linear CKA of two representations of the same n inputs in feature form (O(n d^2), no n x n matrix).
 
     ``features_x`` (n, d1) and ``features_y`` (n, d2) may have different widths.
@@ -153,15 +154,17 @@ def linear_cka(features_x: torch.Tensor, features_y: torch.Tensor, *, debiased: 
     return xty_sq / (torch.sqrt(xtx_sq) * torch.sqrt(yty_sq) + eps)
 
 
-def rbf_cka(features_x: torch.Tensor, features_y: torch.Tensor, threshold: float = 1.0, *,
-            debiased: bool = False) -> torch.Tensor:
+def rbf_cka(
+    features_x: torch.Tensor, features_y: torch.Tensor, threshold: float = 1.0, *, debiased: bool = False
+) -> torch.Tensor:
     """CKA of the RBF kernels of two representations (bandwidth ``threshold`` x median distance)."""
     return cka(rbf_kernel(features_x, threshold), rbf_kernel(features_y, threshold), debiased=debiased)
 
 
 # ------------------------------------------------------------------------------------------------ the loss
-def kernel_alignment_loss(kernel: torch.Tensor, target_kernel: torch.Tensor, *, debiased: bool = False,
-                          eps: float = DEFAULT_EPS) -> torch.Tensor:
+def kernel_alignment_loss(
+    kernel: torch.Tensor, target_kernel: torch.Tensor, *, debiased: bool = False, eps: float = DEFAULT_EPS
+) -> torch.Tensor:
     """``1 - CKA(kernel, target_kernel)``, gradient through ``kernel`` only.
 
     Hetero-SSFL's alignment distance d(K_k, K_bar): 0 when the client's centred kernel is a positive multiple of
@@ -175,8 +178,9 @@ def kernel_alignment_loss(kernel: torch.Tensor, target_kernel: torch.Tensor, *, 
         return 1.0 - cka(k, target, debiased=debiased, eps=eps)
 
 
-def feature_alignment_loss(features: torch.Tensor, centered_target: torch.Tensor, *,
-                           eps: float = DEFAULT_EPS) -> torch.Tensor:
+def feature_alignment_loss(
+    features: torch.Tensor, centered_target: torch.Tensor, *, eps: float = DEFAULT_EPS
+) -> torch.Tensor:
     """``1 - CKA(A A^T, K_bar)`` for the linear kernel, from the features ``A`` (n, d) and ``H K_bar H``.
 
     Equal to ``kernel_alignment_loss(linear_kernel(A), K_bar)`` with ``centered_target = center_kernel(K_bar)``,
@@ -187,8 +191,9 @@ def feature_alignment_loss(features: torch.Tensor, centered_target: torch.Tensor
     """
     n = _check_features("features", features)
     if _check_square("centered_target", centered_target) != n:
-        raise ValueError(f"features have {n} rows but the target kernel is {centered_target.shape[0]} x "
-                         f"{centered_target.shape[0]}")
+        raise ValueError(
+            f"features have {n} rows but the target kernel is {centered_target.shape[0]} x {centered_target.shape[0]}"
+        )
     dtype = torch.float64 if features.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=features.device.type, enabled=False):
         a = features.to(dtype)

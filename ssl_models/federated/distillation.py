@@ -66,8 +66,8 @@ class IndexedQueue:
             raise ValueError(f"keys must have shape (B, dim={self.keys.shape[0]}), got {tuple(keys.shape)}")
         if indices.shape != (keys.shape[0],):
             raise ValueError(f"indices must have shape ({keys.shape[0]},), got {tuple(indices.shape)}")
-        keys = F.normalize(keys.detach().float(), dim=1)[-self.size:]
-        indices = indices.detach()[-self.size:]
+        keys = F.normalize(keys.detach().float(), dim=1)[-self.size :]
+        indices = indices.detach()[-self.size :]
         count = keys.shape[0]
         columns = (self.ptr + torch.arange(count, device=self.keys.device)) % self.size
         self.keys[:, columns] = keys.t().to(self.keys.device)
@@ -128,7 +128,7 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[to
     while True:
         order = torch.randperm(n, generator=generator)
         for start in range(0, n - batch_size + 1, batch_size):
-            yield order[start:start + batch_size]
+            yield order[start : start + batch_size]
 
 
 def _check_positive_int(name: str, value: int) -> int:
@@ -236,8 +236,9 @@ def distill(
         if fp.channels_last:
             view_q = view_q.contiguous(memory_format=torch.channels_last)
             view_k = view_k.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=fp.autocast_dtype or torch.float32,
-                            enabled=fp.autocast_dtype is not None):
+        with torch.autocast(
+            device.type, dtype=fp.autocast_dtype or torch.float32, enabled=fp.autocast_dtype is not None
+        ):
             with torch.no_grad():
                 ema_update_(key_encoder, student, momentum)  # before the keys, as MoCo/FLESD
                 keys = F.normalize(key_encoder(view_k).float(), dim=1)

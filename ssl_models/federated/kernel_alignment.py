@@ -165,17 +165,24 @@ def _float_input(images: torch.Tensor, channels_last: bool = False) -> torch.Ten
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
 
 
-def _forward_chunks(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch_size: int,
-                    channels_last: bool = False):
+def _forward_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch_size: int, channels_last: bool = False
+):
     """(start, stop, float32 representations) of ``images`` (uint8 NHWC on the model's device), chunk by chunk."""
     for start in range(0, images.shape[0], batch_size):
         stop = min(images.shape[0], start + batch_size)
         yield start, stop, fn(_float_input(images[start:stop], channels_last)).float()
 
 
-def rad_representations(method: SSLMethod, images: np.ndarray | torch.Tensor, representation: str = "predictor", *,
-                        device: torch.device | str = "cpu", batch_size: int = DEFAULT_FORWARD_BATCH,
-                        bn_mode: str = "eval") -> torch.Tensor:
+def rad_representations(
+    method: SSLMethod,
+    images: np.ndarray | torch.Tensor,
+    representation: str = "predictor",
+    *,
+    device: torch.device | str = "cpu",
+    batch_size: int = DEFAULT_FORWARD_BATCH,
+    bn_mode: str = "eval",
+) -> torch.Tensor:
     """Representations (N, d) float32 on ``device`` of the RAD images, without gradient or augmentation, in float32
     (autocast off), in chunks of ``batch_size`` with BatchNorm as ``bn_mode`` says (``rad_forward_mode``). The
     method's train/eval modes and BatchNorm statistics are left as they were."""
@@ -267,12 +274,15 @@ def check_kernel_payload(payload: Mapping[str, np.ndarray], n: int) -> None:
         if indices.size and (indices.min() < 0 or indices.max() >= n):
             raise ValueError(f"top-n% kernel payload indices must lie in [0, {n})")
     else:
-        raise ValueError(f"kernel payload must hold 'values' (+ 'indices' for top-n%) and 'scale', got {sorted(payload)}")
+        raise ValueError(
+            f"kernel payload must hold 'values' (+ 'indices' for top-n%) and 'scale', got {sorted(payload)}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ server average
-def average_kernels(sources: Iterable[tuple[Mapping[str, np.ndarray], float]], n: int, *,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+def average_kernels(
+    sources: Iterable[tuple[Mapping[str, np.ndarray], float]], n: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> torch.Tensor:
     """``K_bar = sum_j w_j K_j / sum_j w_j`` over ``(payload, weight)`` pairs, float32 (n, n) on the CPU.
 
     ``sources`` may be a generator (e.g. reading one client's kernel from disk at a time): it is consumed once
@@ -334,8 +344,7 @@ def rad_term_flops(method: SSLMethod, representation: str, image_shape: tuple[in
     """Per-image FLOPs (forward, backward, total) of one RAD image's pass for the kernel: through
     ``representation_fn(method, representation)`` and back into every trainable parameter (counted on a deep copy,
     ``function_training_flops``)."""
-    return function_training_flops(method, lambda m: representation_fn(m, representation), image_shape,
-                                   batch_size=2)
+    return function_training_flops(method, lambda m: representation_fn(m, representation), image_shape, batch_size=2)
 
 
 class KernelAligner:
@@ -348,12 +357,25 @@ class KernelAligner:
     the fast path's), ``channels_last`` their input layout (the model's, on the fast path).
     """
 
-    def __init__(self, rad_images: np.ndarray | torch.Tensor, target_kernel: torch.Tensor, *, mu: float,
-                 representation: str = "predictor", kernel: str = "linear", rbf_threshold: float = 0.5,
-                 refresh: str = "step", refresh_steps: int = 1, rad_batch_size: int = 256,
-                 forward_batch_size: int = DEFAULT_FORWARD_BATCH, bn_mode: str = "eval",
-                 forward_dtype: torch.dtype | None = None, channels_last: bool = False,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self,
+        rad_images: np.ndarray | torch.Tensor,
+        target_kernel: torch.Tensor,
+        *,
+        mu: float,
+        representation: str = "predictor",
+        kernel: str = "linear",
+        rbf_threshold: float = 0.5,
+        refresh: str = "step",
+        refresh_steps: int = 1,
+        rad_batch_size: int = 256,
+        forward_batch_size: int = DEFAULT_FORWARD_BATCH,
+        bn_mode: str = "eval",
+        forward_dtype: torch.dtype | None = None,
+        channels_last: bool = False,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
         if refresh not in REFRESH_MODES:
             raise ValueError(f"refresh must be one of {REFRESH_MODES}, got {refresh!r}")
         if representation not in REPRESENTATIONS:
@@ -362,8 +384,11 @@ class KernelAligner:
             raise ValueError(f"kernel must be one of {KERNEL_FUNCTIONS}, got {kernel!r}")
         if bn_mode not in BN_MODES:
             raise ValueError(f"bn_mode must be one of {BN_MODES}, got {bn_mode!r}")
-        for name, value in (("refresh_steps", refresh_steps), ("rad_batch_size", rad_batch_size),
-                            ("forward_batch_size", forward_batch_size)):
+        for name, value in (
+            ("refresh_steps", refresh_steps),
+            ("rad_batch_size", rad_batch_size),
+            ("forward_batch_size", forward_batch_size),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or mu < 0:
@@ -372,8 +397,9 @@ class KernelAligner:
         self.rad = _as_uint8_tensor(rad_images, self.device)
         n = self.rad.shape[0]
         if tuple(target_kernel.shape) != (n, n):
-            raise ValueError(f"target kernel has shape {tuple(target_kernel.shape)}, expected ({n}, {n}) for "
-                             f"a RAD of {n} images")
+            raise ValueError(
+                f"target kernel has shape {tuple(target_kernel.shape)}, expected ({n}, {n}) for a RAD of {n} images"
+            )
         if refresh == "minibatch" and rad_batch_size < 4:
             raise ValueError(f"rad_batch_size must be >= 4 for a CKA on a minibatch, got {rad_batch_size}")
         self.target = target_kernel.detach().to(self.device, torch.float32)
@@ -419,8 +445,9 @@ class KernelAligner:
     def _network_precision(self):
         """Autocast for the network part of a RAD forward, set explicitly (the hooks run both inside the training
         step's autocast and outside it, at an epoch's start)."""
-        return torch.autocast(self.device.type, dtype=self.forward_dtype or torch.float32,
-                              enabled=self.forward_dtype is not None)
+        return torch.autocast(
+            self.device.type, dtype=self.forward_dtype or torch.float32, enabled=self.forward_dtype is not None
+        )
 
     def _kernel_loss(self, features: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self.centered_target is not None and target is self.target:
@@ -447,8 +474,9 @@ class KernelAligner:
                 self.stats.images_forward_backward += n
             else:  # no-grad pass, dL/dA in feature space, then chunk-wise backward through the network
                 with torch.no_grad():
-                    features = torch.cat([a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size,
-                                                                           self.channels_last)])
+                    features = torch.cat(
+                        [a for _, _, a in _forward_chunks(fn, self.rad, self.forward_batch_size, self.channels_last)]
+                    )
                 features.requires_grad_(True)
                 loss, similarity = self._kernel_loss(features, self.target)
                 (grad_features,) = torch.autograd.grad(loss, features)
@@ -466,7 +494,7 @@ class KernelAligner:
 
     def _minibatch_loss(self, method: SSLMethod) -> torch.Tensor:
         n = self.rad.shape[0]
-        idx = torch.randperm(n, generator=self.generator)[:self.rad_batch_size].sort().values.to(self.device)
+        idx = torch.randperm(n, generator=self.generator)[: self.rad_batch_size].sort().values.to(self.device)
         fn = representation_fn(method, self.representation)
         with rad_forward_mode(method, self.bn_mode), self._network_precision():
             features = fn(_float_input(self.rad[idx], self.channels_last)).float()

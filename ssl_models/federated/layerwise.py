@@ -242,8 +242,9 @@ def build_layerwise_model(cfg: ExperimentConfig, depth: int, seed: int | None = 
     return build_ssl_model(cfg, seed=seed, depth=_positive_int("depth", depth))
 
 
-def configure_local_model(method: SSLMethod, mode: str, depth_dropout: float = 0.0,
-                          dropout_seed: int | None = None) -> None:
+def configure_local_model(
+    method: SSLMethod, mode: str, depth_dropout: float = 0.0, dropout_seed: int | None = None
+) -> None:
     """Set what trains (``last_block`` or ``all``) and the depth-dropout rate of the frozen blocks (FLL+DD) on the
     online encoder. The momentum encoder always runs every block."""
     if mode not in TRAINABLE_MODES:
@@ -257,8 +258,9 @@ def online_state(method: SSLMethod) -> OrderedDict:
     return state_to_numpy(select(method.state_dict(), method.shared_prefixes()))
 
 
-def grow_online_state(cfg: ExperimentConfig, state: Mapping[str, np.ndarray], init: str = "copy",
-                      seed: int = 0) -> OrderedDict:
+def grow_online_state(
+    cfg: ExperimentConfig, state: Mapping[str, np.ndarray], init: str = "copy", seed: int = 0
+) -> OrderedDict:
     """Append one block to the online sub-model ``state`` (depth s-1 -> s): block s copies the trained block s-1
     (``copy``, the weight transfer) or is freshly initialised from ``seed`` (``fresh``). Everything else is
     unchanged. The global RNG is left as it was."""
@@ -288,8 +290,9 @@ def alignment_loss(local: torch.Tensor, global_: torch.Tensor, temperature: floa
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if local.shape != global_.shape or local.ndim != 2:
-        raise ValueError(f"local and global representations must both be (N, D), got {tuple(local.shape)} and "
-                         f"{tuple(global_.shape)}")
+        raise ValueError(
+            f"local and global representations must both be (N, D), got {tuple(local.shape)} and {tuple(global_.shape)}"
+        )
     z = F.normalize(local.float(), dim=1)
     g = F.normalize(global_.float(), dim=1)
     logits = z @ g.t() / temperature
@@ -354,8 +357,10 @@ class RepresentationAligner:
     def loss(self, method: SSLMethod) -> torch.Tensor:
         calls, self._calls = self._calls, []
         if len(calls) < 2:
-            raise RuntimeError(f"representation alignment needs the online encoder to run on both views in a step "
-                               f"(it ran {len(calls)} time(s)); is the aligner attached to this method?")
+            raise RuntimeError(
+                f"representation alignment needs the online encoder to run on both views in a step "
+                f"(it ran {len(calls)} time(s)); is the aligner attached to this method?"
+            )
         (view1, local1), (view2, local2) = calls[0], calls[1]
         value = alignment_loss(local1, self._global(view2), self.temperature)
         if self.symmetric:
@@ -381,10 +386,19 @@ class RepresentationAligner:
 # ---------------------------------------------------------------------- server-side calibration
 
 
-def calibrate(cfg: ExperimentConfig, method: SSLMethod, images: np.ndarray, *, epochs: int, lr: float, seed: int,
-              device: torch.device | str = "cpu", batch_size: int = 0,
-              progress: tuple[float, float] | None = None,
-              log: Callable[[str], None] | None = None) -> TrainStats:
+def calibrate(
+    cfg: ExperimentConfig,
+    method: SSLMethod,
+    images: np.ndarray,
+    *,
+    epochs: int,
+    lr: float,
+    seed: int,
+    device: torch.device | str = "cpu",
+    batch_size: int = 0,
+    progress: tuple[float, float] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainStats:
     """Train the whole current sub-model of ``method`` end to end on ``images`` (LW-FedSSL's calibration).
 
     Every block, the embeddings, the final norm and the heads train (``set_trainable("all")``, no depth dropout);
@@ -399,10 +413,23 @@ def calibrate(cfg: ExperimentConfig, method: SSLMethod, images: np.ndarray, *, e
     reset_target_from_online(method)
     if progress is not None and hasattr(method, "set_progress_range"):
         method.set_progress_range(*progress)  # type: ignore[operator]  # hasattr-checked (MoCo v3)
-    return train_ssl(method, images, epochs=epochs, batch_size=int(batch_size) or t.batch_size, lr=lr,
-                     optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay, device=device,
-                     fast_path=t.fast_path, drop_last=t.drop_last, max_steps_per_epoch=t.max_steps_per_epoch,
-                     seed=seed, augment=build_augment(cfg, int(np.shape(images)[1])), log=log)
+    return train_ssl(
+        method,
+        images,
+        epochs=epochs,
+        batch_size=int(batch_size) or t.batch_size,
+        lr=lr,
+        optimizer=t.optimizer,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        device=device,
+        fast_path=t.fast_path,
+        drop_last=t.drop_last,
+        max_steps_per_epoch=t.max_steps_per_epoch,
+        seed=seed,
+        augment=build_augment(cfg, int(np.shape(images)[1])),
+        log=log,
+    )
 
 
 # ---------------------------------------------------------------------- resource accounting
@@ -425,9 +452,16 @@ def frozen_block_forward_flops(backbone: VisionTransformer, batch_size: int = 2)
     return (full - one) / (depth - 1)
 
 
-def resource_account(method: SSLMethod, *, optimizer: str, batch_size: int, sgd_momentum: float = 0.9,
-                     device: torch.device | str | None = None, aligner: RepresentationAligner | None = None,
-                     flops_batch: int = 8) -> dict[str, float]:
+def resource_account(
+    method: SSLMethod,
+    *,
+    optimizer: str,
+    batch_size: int,
+    sgd_momentum: float = 0.9,
+    device: torch.device | str | None = None,
+    aligner: RepresentationAligner | None = None,
+    flops_batch: int = 8,
+) -> dict[str, float]:
     """Per-step resources of a local round of ``method`` as configured (trainable mode, depth dropout).
 
     FLOPs per sample (image; both views): ``training_step_flops`` with CPU attention counted (so CPU and CUDA
@@ -441,14 +475,27 @@ def resource_account(method: SSLMethod, *, optimizer: str, batch_size: int, sgd_
     if rate:
         backbone.set_depth_dropout(0.0)  # measure a step that skips nothing (the peak); restored below
     try:
-        flops = training_step_flops(method, IMAGE_SHAPE, batch_size=max(2, min(int(batch_size), flops_batch)),
-                                    device=device, count_cpu_attention=True)
+        flops = training_step_flops(
+            method,
+            IMAGE_SHAPE,
+            batch_size=max(2, min(int(batch_size), flops_batch)),
+            device=device,
+            count_cpu_attention=True,
+        )
         align_forward = 0.0
         if aligner is not None:  # the global copy's forward of one image, per view it encodes
-            align_forward = aligner.global_views * forward_flops(aligner.global_backbone, IMAGE_SHAPE, 2,
-                                                                 count_cpu_attention=True)
-        memory = analytic_training_memory(method, optimizer, int(batch_size), view_shape=IMAGE_SHAPE, device=device,
-                                          sgd_momentum=sgd_momentum, step_fn=aligner.step if aligner else None)
+            align_forward = aligner.global_views * forward_flops(
+                aligner.global_backbone, IMAGE_SHAPE, 2, count_cpu_attention=True
+            )
+        memory = analytic_training_memory(
+            method,
+            optimizer,
+            int(batch_size),
+            view_shape=IMAGE_SHAPE,
+            device=device,
+            sgd_momentum=sgd_momentum,
+            step_fn=aligner.step if aligner else None,
+        )
     finally:
         if rate:
             backbone.set_depth_dropout(rate)
@@ -477,9 +524,29 @@ def resource_account(method: SSLMethod, *, optimizer: str, batch_size: int, sgd_
 
 
 __all__ = [
-    "ALLOCATIONS", "LR_STRATEGIES", "NEW_BLOCK_INITS", "TRAINABLE_MODES", "RepresentationAligner", "StagePosition",
-    "alignment_loss", "allocation_weights", "block_prefix", "build_layerwise_model", "calibrate",
-    "configure_local_model", "frozen_block_forward_flops", "grow_online_state", "head_prefixes", "is_encoder_key",
-    "online_state", "resource_account", "round_lr", "select", "stage_of_round", "stage_rounds", "state_depth",
-    "submodel_prefixes", "trained_prefixes",
+    "ALLOCATIONS",
+    "LR_STRATEGIES",
+    "NEW_BLOCK_INITS",
+    "TRAINABLE_MODES",
+    "RepresentationAligner",
+    "StagePosition",
+    "alignment_loss",
+    "allocation_weights",
+    "block_prefix",
+    "build_layerwise_model",
+    "calibrate",
+    "configure_local_model",
+    "frozen_block_forward_flops",
+    "grow_online_state",
+    "head_prefixes",
+    "is_encoder_key",
+    "online_state",
+    "resource_account",
+    "round_lr",
+    "select",
+    "stage_of_round",
+    "stage_rounds",
+    "state_depth",
+    "submodel_prefixes",
+    "trained_prefixes",
 ]

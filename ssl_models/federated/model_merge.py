@@ -46,8 +46,9 @@ def select(state: Mapping[str, object], prefixes: Iterable[str]) -> list[str]:
     return [k for k in state if k.startswith(prefixes)]
 
 
-def l2_divergence(global_state: Mapping[str, object], local_state: Mapping[str, object],
-                  prefixes: Iterable[str]) -> float:
+def l2_divergence(
+    global_state: Mapping[str, object], local_state: Mapping[str, object], prefixes: Iterable[str]
+) -> float:
     """||W_g - W_k||: one L2 norm over all parameters under ``prefixes`` (BN statistics excluded)."""
     keys = [k for k in select(global_state, prefixes) if is_parameter_key(k)]
     if not keys:
@@ -57,7 +58,8 @@ def l2_divergence(global_state: Mapping[str, object], local_state: Mapping[str, 
         if key not in local_state:
             raise KeyError(f"l2_divergence: {key} missing from the local state")
         diff = _np(global_state[key]).astype(np.float64) - _np(local_state[key]).astype(np.float64).reshape(
-            _np(global_state[key]).shape)
+            _np(global_state[key]).shape
+        )
         total += float(np.sum(diff * diff))
     return math.sqrt(total)
 
@@ -65,27 +67,38 @@ def l2_divergence(global_state: Mapping[str, object], local_state: Mapping[str, 
 def easyfl_conv_keys(state: Mapping[str, object], backbone_prefix: str = "backbone.") -> list[str]:
     """The convolution weights EasyFL's divergence averages over: every 4-D weight of the backbone except the 1x1
     projection shortcuts (EasyFL's ``'conv' in name`` leaves ``shortcut.0`` out)."""
-    return [k for k in state if k.startswith(backbone_prefix) and k.endswith("weight") and ".shortcut." not in k
-            and _np(state[k]).ndim == 4]
+    return [
+        k
+        for k in state
+        if k.startswith(backbone_prefix) and k.endswith("weight") and ".shortcut." not in k and _np(state[k]).ndim == 4
+    ]
 
 
-def easyfl_divergence(start_state: Mapping[str, object], end_state: Mapping[str, object],
-                      backbone_prefix: str = "backbone.") -> float:
+def easyfl_divergence(
+    start_state: Mapping[str, object], end_state: Mapping[str, object], backbone_prefix: str = "backbone."
+) -> float:
     """Mean per-tensor L2 distance over the backbone's convolution weights as EasyFL selects them
     (``easyfl_conv_keys``): EasyFL's FedEMA / FedU divergence."""
     keys = easyfl_conv_keys(start_state, backbone_prefix)
     if not keys:
         raise ValueError(f"easyfl_divergence: no convolution weights under {backbone_prefix!r}")
-    dists = [float(np.linalg.norm(_np(start_state[k]).astype(np.float64) - _np(end_state[k]).astype(np.float64)))
-             for k in keys]
+    dists = [
+        float(np.linalg.norm(_np(start_state[k]).astype(np.float64) - _np(end_state[k]).astype(np.float64)))
+        for k in keys
+    ]
     return float(np.mean(dists))
 
 
 BN_STATS_MODES = ("global", "ema")
 
 
-def ema_merge(local_state: Mapping[str, object], global_state: Mapping[str, object], mu: float,
-              prefixes: Iterable[str], bn_stats: str = "global") -> OrderedDict:
+def ema_merge(
+    local_state: Mapping[str, object],
+    global_state: Mapping[str, object],
+    mu: float,
+    prefixes: Iterable[str],
+    bn_stats: str = "global",
+) -> OrderedDict:
     """mu * local + (1 - mu) * global for the parameters under ``prefixes`` (returns only those entries); BatchNorm
     running statistics take the global values (``bn_stats="global"``) or the same EMA (``"ema"``)."""
     if not 0.0 <= mu <= 1.0:
@@ -95,8 +108,11 @@ def ema_merge(local_state: Mapping[str, object], global_state: Mapping[str, obje
     out = OrderedDict()
     for key in select(global_state, prefixes):
         g = _np(global_state[key])
-        if (np.issubdtype(g.dtype, np.integer) or np.issubdtype(g.dtype, np.bool_)
-                or (bn_stats == "global" and not is_parameter_key(key))):
+        if (
+            np.issubdtype(g.dtype, np.integer)
+            or np.issubdtype(g.dtype, np.bool_)
+            or (bn_stats == "global" and not is_parameter_key(key))
+        ):
             out[key] = g.copy()
             continue
         loc = _np(local_state[key]).reshape(g.shape)

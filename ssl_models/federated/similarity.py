@@ -387,9 +387,7 @@ def _accumulate_source_(
 
 
 # ------------------------------------------------------------------------------------------- targets
-def distillation_targets(
-    ensemble: torch.Tensor, batch_idx: torch.Tensor, queue_idx: torch.Tensor
-) -> torch.Tensor:
+def distillation_targets(ensemble: torch.Tensor, batch_idx: torch.Tensor, queue_idx: torch.Tensor) -> torch.Tensor:
     """Soft targets ``S[batch_idx][:, queue_idx]``, each row renormalised to sum 1 (float32, (B, K)).
 
     A row whose entries over the queue are all zero (possible with ``sparsify: zero_probability`` when no queue
@@ -417,8 +415,9 @@ def distillation_targets(
 
 # ------------------------------------------------------------------------------------------- client side
 @torch.no_grad()
-def public_representations(method: SSLMethod, images_uint8_nhwc: np.ndarray, device: torch.device | str = "cpu",
-                           batch_size: int = 512) -> torch.Tensor:
+def public_representations(
+    method: SSLMethod, images_uint8_nhwc: np.ndarray, device: torch.device | str = "cpu", batch_size: int = 512
+) -> torch.Tensor:
     """Projector outputs ``projector(backbone(x))`` of the public images, eval mode, no augmentation, float32 on
     the CPU (FLESD's representations: the contrastive head's output). The module's modes are restored."""
     from ssl_models.data.augment import to_float_nchw
@@ -429,7 +428,7 @@ def public_representations(method: SSLMethod, images_uint8_nhwc: np.ndarray, dev
     out = []
     try:
         for start in range(0, len(images_uint8_nhwc), batch_size):
-            x = to_float_nchw(images_uint8_nhwc[start:start + batch_size]).to(device).contiguous()
+            x = to_float_nchw(images_uint8_nhwc[start : start + batch_size]).to(device).contiguous()
             out.append(method.projector(method.backbone(x)).float().cpu())
     finally:
         for module, mode in modes.items():
@@ -437,8 +436,9 @@ def public_representations(method: SSLMethod, images_uint8_nhwc: np.ndarray, dev
     return torch.cat(out) if out else torch.zeros(0, 0)
 
 
-def client_similarity_payload(representations: torch.Tensor, mode: str, fraction: float | None = None
-                              ) -> dict[str, np.ndarray]:
+def client_similarity_payload(
+    representations: torch.Tensor, mode: str, fraction: float | None = None
+) -> dict[str, np.ndarray]:
     """What a FLESD client uploads: the similarity matrix of its representations in transport form. The
     top-n% form is computed row-block by row-block, never holding the (N, N) matrix."""
     if mode == TOPK:

@@ -13,9 +13,7 @@ from ssl_models.methods.mocov3 import MoCoV3
 from ssl_models.methods.simclr import SimCLR
 from ssl_models.methods.simsiam import SimSiam
 
-METHODS: dict[str, type[SSLMethod]] = {
-    method.name: method for method in (SimCLR, MoCo, BYOL, SimSiam, MoCoV3)
-}
+METHODS: dict[str, type[SSLMethod]] = {method.name: method for method in (SimCLR, MoCo, BYOL, SimSiam, MoCoV3)}
 
 
 def _method_class(name: str) -> type[SSLMethod]:

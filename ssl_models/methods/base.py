@@ -28,9 +28,7 @@ def resolve_options(method_name: str, defaults: dict[str, Any], given: dict[str,
     """Defaults overridden by ``given``; an option the method does not know is an error, not a silent no-op."""
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown} for method {method_name!r}; valid options: {sorted(defaults)}"
-        )
+        raise ValueError(f"unknown option(s) {unknown} for method {method_name!r}; valid options: {sorted(defaults)}")
     return {**defaults, **given}
 
 

@@ -62,9 +62,7 @@ def nt_xent_loss(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.5) -
 
 
 @_float32_loss
-def info_nce_loss(
-    q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, temperature: float = 0.07
-) -> torch.Tensor:
+def info_nce_loss(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, temperature: float = 0.07) -> torch.Tensor:
     """MoCo InfoNCE: logits ``[q.k, q.queue] / T`` with the positive at index 0, cross-entropy, batch mean.
 
     ``q`` and ``k`` are L2-normalised here (so callers can pass raw projections); ``queue`` has shape
@@ -101,8 +99,9 @@ def byol_regression_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return 2.0 + 2.0 * negative_cosine_similarity(p, z)
 
 
-def proximal_term(params: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor], mu: float,
-                  half: bool = True) -> torch.Tensor:
+def proximal_term(
+    params: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor], mu: float, half: bool = True
+) -> torch.Tensor:
     """FedProx's proximal term over named parameters: (mu/2) * sum ||w - w_g||^2 (``half=False``: the FLESD
     code's mu * sum ||w - w_g||^2). ``anchors`` are the global weights (no gradient)."""
     keys = [k for k in params if k in anchors]

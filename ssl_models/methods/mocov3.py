@@ -79,8 +79,7 @@ class MoCoV3(SSLMethod):
         check_momentum("momentum", self.options["momentum"])
         schedule = self.options["momentum_schedule"]
         if schedule not in MOMENTUM_SCHEDULES:
-            raise ValueError(
-                f"option 'momentum_schedule' must be one of {list(MOMENTUM_SCHEDULES)}, got {schedule!r}")
+            raise ValueError(f"option 'momentum_schedule' must be one of {list(MOMENTUM_SCHEDULES)}, got {schedule!r}")
         check_bool("reset_target_on_new_global", self.options["reset_target_on_new_global"])
 
         self.temperature = float(self.options["temperature"])
@@ -90,10 +89,16 @@ class MoCoV3(SSLMethod):
         self.progress_range: tuple[float, float] = (0.0, 1.0)
 
         out_dim = self.options["proj_out_dim"]
-        self.projector = MLPHead(feature_dim, self.options["proj_hidden_dim"], out_dim,
-                                 num_layers=self.options["num_proj_layers"], last_bn=True)
-        self.predictor = MLPHead(out_dim, self.options["pred_hidden_dim"], out_dim,
-                                 num_layers=self.options["num_pred_layers"], last_bn=True)
+        self.projector = MLPHead(
+            feature_dim,
+            self.options["proj_hidden_dim"],
+            out_dim,
+            num_layers=self.options["num_proj_layers"],
+            last_bn=True,
+        )
+        self.predictor = MLPHead(
+            out_dim, self.options["pred_hidden_dim"], out_dim, num_layers=self.options["num_pred_layers"], last_bn=True
+        )
         self.build_target_branch()
 
     # ------------------------------------------------------------------ momentum schedule
@@ -131,8 +136,7 @@ class MoCoV3(SSLMethod):
     def training_step(self, view1: torch.Tensor, view2: torch.Tensor) -> torch.Tensor:
         q1, q2 = self._query(view1), self._query(view2)
         k1, k2 = self.target_embeddings(view1), self.target_embeddings(view2)  # under no_grad
-        return (mocov3_contrastive_loss(q1, k2, self.temperature)
-                + mocov3_contrastive_loss(q2, k1, self.temperature))
+        return mocov3_contrastive_loss(q1, k2, self.temperature) + mocov3_contrastive_loss(q2, k1, self.temperature)
 
     def after_optimizer_step(self) -> None:
         self.update_target_branch(self.current_momentum)

@@ -35,9 +35,12 @@ def available_backbones() -> list[str]:
     return sorted(BACKBONES)
 
 
-def build_backbone(arch: str, width: float = 1.0,
-                   normalization: tuple[Sequence[float], Sequence[float]] | None = None,
-                   **arch_options: Any) -> tuple[nn.Module, int]:
+def build_backbone(
+    arch: str,
+    width: float = 1.0,
+    normalization: tuple[Sequence[float], Sequence[float]] | None = None,
+    **arch_options: Any,
+) -> tuple[nn.Module, int]:
     """Build encoder ``arch`` (channel ``width`` multiplier) and return ``(module, feature_dim)``.
 
     ``module(x)`` maps float NCHW images in [0, 1] to ``(N, feature_dim)`` features. ``normalization`` =

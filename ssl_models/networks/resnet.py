@@ -162,4 +162,3 @@ def build_resnet(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
     model = CifarResNet(block, blocks_per_stage, scaled_widths(width))
     _init_weights(model)
     return model, model.feature_dim
-

@@ -130,8 +130,14 @@ class VisionTransformer(nn.Module):
         in_channels: int = 3,
     ) -> None:
         super().__init__()
-        for name, value in (("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads),
-                            ("patch_size", patch_size), ("image_size", image_size), ("in_channels", in_channels)):
+        for name, value in (
+            ("embed_dim", embed_dim),
+            ("depth", depth),
+            ("num_heads", num_heads),
+            ("patch_size", patch_size),
+            ("image_size", image_size),
+            ("in_channels", in_channels),
+        ):
             _check_positive_int(name, value)
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
@@ -300,9 +306,11 @@ class VisionTransformer(nn.Module):
         return self.norm(x)[:, 0]
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, heads={self.num_heads}, blocks={len(self.blocks)}, "
-                f"active={self.num_active_blocks}, trainable={self.trainable_mode!r}, "
-                f"depth_dropout={self.depth_dropout}")
+        return (
+            f"embed_dim={self.embed_dim}, heads={self.num_heads}, blocks={len(self.blocks)}, "
+            f"active={self.num_active_blocks}, trainable={self.trainable_mode!r}, "
+            f"depth_dropout={self.depth_dropout}"
+        )
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -333,7 +341,7 @@ def build_vit(arch: str, width: float = 1.0, depth: int = DEFAULT_DEPTH) -> tupl
 def vit_depth_of_state(state: Iterable[str], prefix: str = "") -> int:
     """Number of blocks in a ViT state dict (keys ``{prefix}blocks.<i>.``); 0 when there are none."""
     start = f"{prefix}blocks."
-    indices = {int(key[len(start):].split(".", 1)[0]) for key in state if key.startswith(start)}
+    indices = {int(key[len(start) :].split(".", 1)[0]) for key in state if key.startswith(start)}
     if indices and indices != set(range(len(indices))):
         raise ValueError(f"state dict blocks are not numbered 0..n-1: {sorted(indices)}")
     return len(indices)
