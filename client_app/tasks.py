@@ -88,7 +88,9 @@ def local_images(
     cfg: ExperimentConfig, partition_id: int, data_path: str | None = None, scope: str = "partition"
 ) -> np.ndarray:
     """This client's training images: its partition of the experiment's data set, or, when the node
-    has its own data (``data-path`` in the node config), that file's whole training part. ``scope="union"``
+    has its own data (``data-path`` in the node config), that .npz file's whole training part, or every image of
+    that folder (unlabelled, brought to the run's image side, decoded once into the node's disk cache).
+    ``scope="union"``
     (the centralized reference, ``strategy: central``): the union of every client's partition."""
     if scope == "union":
         if data_path:
@@ -101,6 +103,11 @@ def local_images(
     if scope != "partition":
         raise ValueError(f"data-scope: must be 'partition' or 'union' (got {scope!r})")
     if data_path:
+        if Path(data_path).expanduser().is_dir():
+            from ssl_models.data.folder import load_folder
+
+            side = cfg.image_side()
+            return load_folder(data_path, image_size=side, labels="none", unreadable=cfg.data.unreadable).x_train
         return load_npz(data_path).x_train
     return client_images(cfg, partition_id)
 

@@ -191,7 +191,7 @@ def check_data_here(cfg) -> None:
     from ssl_models.data.preflight import check_experiment_data, data_is_local
 
     if data_is_local(cfg):
-        check_experiment_data(cfg)
+        check_experiment_data(cfg, log=lambda line: print(f"fedssl-run: {line}", file=sys.stderr, flush=True))
 
 
 def closest(key: str, known: set[str]) -> str:

@@ -381,12 +381,18 @@ def scale_line(runs: list[RunData]) -> str:
         cfg.get("eval", {}),
     )
     archs = sorted({a for r in runs for a in (r.config.get("model", {}).get("client_archs") or [])}) or [m.get("arch")]
+    scored = [r for r in runs if r.summary.get("eval", {}).get("scored", True)]
+    where = f" ({e['path']})" if e.get("path") else ""
+    scoring = (
+        f"scored on {e.get('max_train') or 'all'} labelled train and {e.get('max_test') or 'all'} test images{where}"
+        if scored
+        else "nothing scored (unlabelled training images, no eval.path)"
+    )
     return (
         f"{cfg.get('rounds')} rounds x {t.get('local_epochs')} local epochs, batch {t.get('batch_size')}, "
         f"{f.get('num_clients')} clients ({d.get('partition')}), {d.get('dataset')} "
         f"{('max ' + str(d.get('max_train')) + ' train images') if d.get('max_train') else 'all train images'}, "
-        f"{', '.join(map(str, archs))} width {m.get('width')}; scored on {e.get('max_train') or 'all'} labelled "
-        f"train and {e.get('max_test') or 'all'} test images"
+        f"{', '.join(map(str, archs))} width {m.get('width')}; {scoring}"
     )
 
 

@@ -27,7 +27,7 @@ from fedssl_wire import (
     to_array_record,
 )
 from ssl_models.config import ConfigError, ExperimentConfig
-from ssl_models.data.preflight import CheckedData, check_experiment_data
+from ssl_models.data.preflight import NOTHING_SCORED, CheckedData, check_experiment_data
 from ssl_models.data.splits import eval_subset_seeds
 from ssl_models.evaluation.checkpoint import save_encoder_checkpoint
 from ssl_models.evaluation.protocol import evaluate_backbone
@@ -106,13 +106,16 @@ def discover_clients(grid: Grid, cfg: ExperimentConfig, say) -> dict[int, int]:
 
 
 class ServerEvaluator:
-    """The fixed evaluation protocol on the server's labelled data (kNN monitor, final linear probe)."""
+    """The fixed evaluation protocol on the server's labelled data (kNN monitor, final linear probe). ``enabled`` is
+    false when there is none (unlabelled training images, no ``eval.path``): the run then scores nothing."""
 
     def __init__(self, cfg: ExperimentConfig, checked: CheckedData | None = None) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.eval.device)
         checked = checked or check_experiment_data(cfg)
-        data, train_idx, test_idx = checked.data, checked.eval_train_idx, checked.eval_test_idx
+        self.enabled = checked.eval_data is not None
+        data = checked.eval_data if checked.eval_data is not None else checked.data
+        train_idx, test_idx = checked.eval_train_idx, checked.eval_test_idx
         self.x_train, self.y_train = data.x_train[train_idx], data.y_train[train_idx]
         self.x_test, self.y_test = data.x_test[test_idx], data.y_test[test_idx]
         self.num_classes = data.num_classes
@@ -146,7 +149,7 @@ class ServerEvaluator:
             "max_test": e.max_test or None,
             "train_subset_seed": train_seed,
             "test_subset_seed": test_seed,
-            "data": self.cfg.data.path or self.cfg.data.dataset,
+            "data": self.cfg.eval.path or self.cfg.data.path or self.cfg.data.dataset,
         }
 
     def _score(self, backbone: torch.nn.Module, *, knn: bool, linear: bool) -> dict[str, Any]:
@@ -209,6 +212,15 @@ def stop_run(say, what: str, *errors: type[BaseException]):
         if owner is not None:
             owner.stopped = True
         raise
+
+
+def stem_note(cfg: ExperimentConfig) -> str:
+    """ ", ImageNet stem for 96 px images (model.stem auto)" where the run's ResNets have one, for the progress line."""
+    archs = {cfg.client_arch(i) for i in range(cfg.federation.num_clients)} | {cfg.model.arch}
+    if not any(a.startswith("resnet") for a in archs):
+        return ""
+    stem = cfg.resnet_stem()
+    return f", {'CIFAR' if stem == 'cifar' else 'ImageNet'} stem for {cfg.image_side()} px images (model.stem {cfg.model.stem})"
 
 
 def failed_note(record: dict) -> str:
@@ -400,7 +412,7 @@ def main(grid: Grid, context: Context) -> None:
             if not resume:
                 confine(output_dir_for(cfg), "output-dir", roots)
         # The data loads, splits and can be scored: checked before the output folder exists and any client trains.
-        checked = check_experiment_data(cfg)
+        checked = check_experiment_data(cfg, log=lambda line: log(INFO, "%s", line))
     except (ConfigError, FileNotFoundError) as exc:
         log(ERROR, "Invalid experiment configuration: %s", exc)
         raise
@@ -492,9 +504,15 @@ def _run(
     say = writer.progress
     data, split = checked.data, checked.split  # loaded, split and checked before the output folder was made
     sizes = checked.client_sizes
+    kind = f"{data.image_size} px, " + ("labelled" if data.labelled else "unlabelled")
+    scored_on = (
+        f"scored on {cfg.eval.path or 'its labelled splits'}"
+        if checked.eval_data is not None
+        else "nothing to score on"
+    )
     say(
-        f"data {cfg.data.dataset}: {len(data.x_train)} train images; clients hold {sizes}; "
-        f"server public split {len(split.public_idx)}"
+        f"data {cfg.data.dataset}: {len(data.x_train)} train images ({kind}); clients hold {sizes}; "
+        f"server public split {len(split.public_idx)}; {scored_on}"
     )
     size_noted: set[int] = set()  # clients named for training on other data than the server's split gives them
 
@@ -530,7 +548,7 @@ def _run(
         )
         initial, first_round = to_array_record(checkpoint.global_arrays), checkpoint.round + 1
     say(
-        f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}), {cfg.strategy.name}, "
+        f"{cfg.method.name} on {cfg.model.arch} (width {cfg.model.width}{stem_note(cfg)}), {cfg.strategy.name}, "
         f"{cfg.rounds} rounds, {strategy.clients_per_round}/{cfg.federation.num_clients} clients per round; "
         f"{strategy.traffic(initial.count_bytes())}"
     )
@@ -544,7 +562,7 @@ def _run(
         record = dict(strategy.round_records.get(server_round, {"round": server_round}))
         record["wall_s"] = strategy.round_wall_s(server_round)
         e = cfg.eval
-        if e.knn_every and (server_round % e.knn_every == 0 or server_round == cfg.rounds):
+        if evaluator.enabled and e.knn_every and (server_round % e.knn_every == 0 or server_round == cfg.rounds):
             t0 = time.perf_counter()
             scores, by_model = evaluator.evaluate_models(strategy.models_to_evaluate(arrays), knn=True, linear=False)
             record["knn_acc"] = scores["knn_acc"]
@@ -613,10 +631,15 @@ def _run(
                 "eval_protocol": evaluator.protocol(),
             },
         )
-    say("final evaluation (kNN + linear probe) ...")
-    scores, by_model = evaluator.evaluate_models(models, knn=True, linear=cfg.eval.linear_probe)
     reference_entries: dict[str, Any] = {}
-    if cfg.eval.random_init_reference:
+    by_model: dict[str, dict[str, Any]] = {}
+    if evaluator.enabled:
+        say("final evaluation (kNN + linear probe) ...")
+        scores, by_model = evaluator.evaluate_models(models, knn=True, linear=cfg.eval.linear_probe)
+    else:
+        say(f"nothing scored: {NOTHING_SCORED}")
+        scores = {"knn_acc": None, "linear_probe_acc": None, "num_train": 0, "num_test": 0, "feature_dim": None}
+    if evaluator.enabled and cfg.eval.random_init_reference:
         archs = sorted({model.arch for model in models.values()})
         say(f"random-init reference ({', '.join(archs)}, the run's initial weights, same protocol) ...")
         reference = {arch: evaluator.random_init(arch, linear=cfg.eval.linear_probe) for arch in archs}
@@ -650,6 +673,8 @@ def _run(
         "run_s_this_process": this_process_s,
         **({"resumed_after_round": checkpoint.round} if checkpoint is not None else {}),
         "eval": {
+            "scored": evaluator.enabled,
+            **({} if evaluator.enabled else {"reason": NOTHING_SCORED}),
             "num_train": scores["num_train"],
             "num_test": scores["num_test"],
             "feature_dim": scores["feature_dim"],
@@ -687,6 +712,9 @@ def _run(
             f"; random init: linear probe {rand_lp}, kNN {rand_knn}; gain over random init: linear probe "
             f"{_points(summary['linear_probe_gain_over_random'])}, kNN {_points(summary['knn_gain_over_random'])}"
         )
+    if not evaluator.enabled:
+        say(f"done in {summary['run_s']:.1f} s: nothing scored: {NOTHING_SCORED}; results in {out_dir}")
+        return
     say(
         f"done in {summary['run_s']:.1f} s: linear probe {_pct(summary['linear_probe_acc'])}, "
         f"kNN {_pct(summary['knn_acc'])}{headline}{against}; results in {out_dir}"

@@ -22,6 +22,7 @@ strategy's options) are free-form dicts here; they are checked against that comp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -38,7 +39,15 @@ class ConfigError(ValueError):
     """An invalid experiment configuration; the message names the offending key."""
 
 
-DATASETS = ("cifar10", "cifar100", "stl10", "npz", "synthetic")
+DATASETS = ("cifar10", "cifar100", "stl10", "npz", "folder", "synthetic")
+FOLDER_LABELS = ("auto", "subfolders", "none")
+UNREADABLE = ("stop", "skip")
+STEMS = ("auto", "cifar", "imagenet")
+FOLDER_IMAGE_SIZE = 96  # the side a folder's images are brought to when data.image_size is 0
+# The side of each named data set's images (an .npz and a synthetic set: their arrays').
+DATASET_SIDES = {"cifar10": 32, "cifar100": 32, "stl10": 96}
+# The largest image side the CIFAR stem (3x3 stride-1 convolution, no max-pool) is chosen for by ``model.stem: auto``.
+CIFAR_STEM_MAX_SIDE = 64
 PARTITIONS = ("iid", "dirichlet", "pathological")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("cosine", "constant")
@@ -49,10 +58,22 @@ DEVICES = ("auto", "cpu", "cuda")
 class DataConfig:
     """Where the images come from and how they are split between clients and the server."""
 
-    dataset: str = "cifar10"  # cifar10, cifar100, stl10, npz (a file named by ``path``) or synthetic (generated)
-    # An .npz file (x_train, y_train, x_test, y_test) or a torchvision root folder. Empty: the
-    # torchvision default root ``~/.cache/fedssl/data``.
+    # cifar10, cifar100, stl10, npz (a file named by ``path``), folder (a folder of images named by ``path``) or
+    # synthetic (generated)
+    dataset: str = "cifar10"
+    # An .npz file (x_train, y_train, x_test, y_test; the labels may be left out: unlabelled), a folder of images
+    # (dataset: folder), or a torchvision root folder. Empty: the torchvision default root ``~/.cache/fedssl/data``.
     path: str = ""
+    # The side, in pixels, a folder's images are brought to (shorter side resized to it, then the centre square cut),
+    # once, into the decoded cache on disk; 0: 96 for a folder. The other sources keep their own side.
+    image_size: int = 0
+    # A folder: whether its first-level subfolders are classes. auto: classes when every image lies in one of at
+    # least two first-level subfolders, else unlabelled; subfolders: always (an image outside them is an error);
+    # none: unlabelled, however the folder is laid out.
+    folder_labels: str = "auto"
+    # A folder's files that cannot be read as images: stop (the first few and the count are named) or skip them
+    # (named on the log).
+    unreadable: str = "stop"
     download: bool = False  # let torchvision download cifar10 / cifar100 / stl10 when its files are missing
     # Class-stratified subsample of the training set before anything else; 0 keeps everything.
     max_train: int = 0
@@ -79,6 +100,13 @@ class ModelConfig:
     # Draw each client's architecture uniformly at random from this list, seeded by ``seed`` (Hetero-SSFL's
     # "ResNet-18 and ResNet-34 chosen at random per client"); only when ``client_archs`` is empty.
     client_arch_pool: list = field(default_factory=list)
+    # The ResNets' stem: cifar (3x3 stride-1 convolution, no max-pool), imagenet (7x7 stride-2 convolution and 3x3
+    # stride-2 max-pool), or auto: cifar for images up to 64 px, imagenet above (the run's log states the choice).
+    stem: str = "auto"
+    # Start from these weights instead of the seed's random ones: a model.pt of this app, or a plain PyTorch state
+    # dict of the same architecture (e.g. torchvision's ResNet weights saved with torch.save). Missing or
+    # mismatched keys are named. Empty: random initialisation.
+    init_weights: str = ""
     # The architecture's own options for ``arch`` (the registry's ARCH_OPTIONS): ``{depth: 6}`` builds a
     # 6-block vit_tiny, e.g. an end-to-end baseline as deep as a 6-stage layer-wise run. Empty: the defaults.
     options: dict = field(default_factory=dict)
@@ -180,6 +208,10 @@ class EvalConfig:
     max_train: int = 0
     max_test: int = 0  # test images scored (class-stratified subsample); 0 = all
     device: str = "auto"  # where the server evaluates: auto, cpu or cuda
+    # The labelled set the encoder is scored on: an .npz (x_train, y_train, x_test, y_test) or a folder with train/
+    # and test/ (or val/) subfolders of one subfolder per class. Empty: the training data set's own labelled
+    # splits; with unlabelled training data and no eval.path, nothing is scored (the run says so).
+    path: str = ""
     # Score a randomly initialised encoder of the run's architecture(s) (the run's own initial weights) with
     # the same protocol, once per run, and report every score's gain over it.
     random_init_reference: bool = True
@@ -263,6 +295,20 @@ class ExperimentConfig:
         )
         if d.dataset == "npz":
             _require(bool(d.path), "data.path", "must name an .npz file when data.dataset is npz", d.path)
+        if d.dataset == "folder":
+            _require(bool(d.path), "data.path", "must name a folder of images when data.dataset is folder", d.path)
+        _require(
+            d.image_size >= 0,
+            "data.image_size",
+            "must be >= 0 (0: the source's own side, 96 for a folder)",
+            d.image_size,
+        )
+        _require(
+            d.image_size == 0 or d.image_size >= 8, "data.image_size", "must be 0 or at least 8 pixels", d.image_size
+        )
+        _one_of(d.folder_labels, FOLDER_LABELS, "data.folder_labels")
+        _one_of(d.unreadable, UNREADABLE, "data.unreadable")
+        _one_of(self.model.stem, STEMS, "model.stem")
         if d.dataset == "synthetic":
             _require(d.synthetic_train >= 1, "data.synthetic_train", "must be >= 1", d.synthetic_train)
             _require(d.synthetic_test >= 1, "data.synthetic_test", "must be >= 1", d.synthetic_test)
@@ -441,6 +487,26 @@ class ExperimentConfig:
         pool = self.model.client_arch_pool
         draws = np.random.default_rng([int(self.seed), 0xA2C4]).integers(len(pool), size=self.federation.num_clients)
         return [pool[int(i)] for i in draws]
+
+    def image_side(self) -> int:
+        """The side, in pixels, of the images the encoders see: a folder's ``data.image_size`` (96 by default), a
+        named data set's own, a synthetic set's, an .npz file's arrays' (read from its header when the file is here;
+        32 otherwise). The server and every client compute it from the config alone (and the server's file)."""
+        d = self.data
+        if d.dataset == "folder":
+            return d.image_size or FOLDER_IMAGE_SIZE
+        if d.dataset == "synthetic":
+            return 32
+        if d.path and Path(d.path).expanduser().is_file():
+            return _npz_side(str(Path(d.path).expanduser().resolve()))
+        return DATASET_SIDES.get(d.dataset, 32)
+
+    def resnet_stem(self) -> str:
+        """``model.stem`` resolved: ``auto`` is the CIFAR stem for images up to CIFAR_STEM_MAX_SIDE px, the ImageNet
+        stem above."""
+        if self.model.stem != "auto":
+            return self.model.stem
+        return "cifar" if self.image_side() <= CIFAR_STEM_MAX_SIDE else "imagenet"
 
     def round_lr(self, server_round: int) -> float:
         """Learning rate of a (1-based) round: cosine decay across rounds, constant within one."""
@@ -665,6 +731,21 @@ def _pair(values: list, key: str, rule: str, check) -> None:
     """A (low, high) list: two finite numbers that satisfy ``check(low, high)``."""
     ok = len(values) == 2 and all(_is_number(v) for v in values) and check(*values)
     _require(ok, key, f"must be [low, high] with {rule}", values)
+
+
+@functools.lru_cache(maxsize=16)
+def _npz_side(path: str) -> int:
+    """The image side of an .npz file's ``x_train`` (its header only: nothing is decompressed); 32 if unreadable."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open("x_train.npy") as member:
+            major, _ = np.lib.format.read_magic(member)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, _ = read_header(member)
+        return int(shape[1]) if len(shape) == 4 else 32
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return 32
 
 
 def _require(ok: bool, key: str, what: str, value: Any) -> None:

@@ -17,6 +17,7 @@ from ssl_models.data.augment import SSLAugment
 from ssl_models.networks import build_backbone
 
 from .config import ExperimentConfig, validate_component_options
+from .init_weights import load_init_weights
 from .methods import build_method, method_default_options
 from .methods.base import SSLMethod
 
@@ -31,14 +32,30 @@ def build_ssl_model(
 ) -> SSLMethod:
     """A freshly initialised SSL method (encoder ``arch``, default the config's); same seed, same weights.
 
-    The backbone normalises its input when the config says so (``augment.normalize``). ``arch_options`` go to
-    ``build_backbone`` over the config's ``model.options`` (those apply to ``model.arch`` only; ``depth=s``
-    builds a growable ViT with s blocks: the layer-wise strategies' sub-models)."""
+    The backbone normalises its input when the config says so (``augment.normalize``), has the ResNet stem
+    ``cfg.resnet_stem()`` or the ViT patches for ``cfg.image_side()`` px images, and, for ``model.arch``, starts
+    from ``model.init_weights`` when that is set (the heads keep their seeded initialisation; see
+    ``ssl_models.init_weights``). ``arch_options`` go to ``build_backbone`` over the config's ``model.options``
+    (those apply to ``model.arch`` only; ``depth=s`` builds a growable ViT with s blocks: the layer-wise strategies'
+    sub-models, which take the first s blocks of the initial weights)."""
     if seed is not None:
         torch.manual_seed(seed)
     arch = arch or cfg.model.arch
     options = {**(cfg.model.options if arch == cfg.model.arch else {}), **arch_options}
-    backbone, feature_dim = build_backbone(arch, cfg.model.width, cfg.augment.input_normalization(), **options)
+    backbone, feature_dim = build_backbone(
+        arch,
+        cfg.model.width,
+        cfg.augment.input_normalization(),
+        stem=cfg.resnet_stem(),
+        image_size=cfg.image_side(),
+        **options,
+    )
+    # The weights go in before the method is built, so a momentum target copied from the backbone starts equal to
+    # them; loading draws no random numbers, so the heads are initialised as they would be without the file.
+    if cfg.model.init_weights and arch == cfg.model.arch:
+        load_init_weights(
+            backbone, cfg.model.init_weights, arch, cfg.model.width, first_blocks_only="depth" in arch_options
+        )
     return build_method(cfg.method.name, backbone, feature_dim, **method_options(cfg))
 
 

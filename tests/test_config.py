@@ -242,10 +242,19 @@ SNAPSHOT = json.loads((REPO / "tests" / "config_snapshot.json").read_text())
 # Sections added to the config after the snapshot was taken, with their defaults: a config that leaves one at its
 # default resolves to the experiment it was (the section did not exist then); one that sets it differs.
 ADDED_SINCE_SNAPSHOT = {"logging": {"tensorboard": False}}
+# Keys added to existing sections after the snapshot, with their defaults (the same rule, one key at a time).
+KEYS_ADDED_SINCE_SNAPSHOT = {
+    "data": {"image_size": 0, "folder_labels": "auto", "unreadable": "stop"},
+    "model": {"stem": "auto", "init_weights": ""},
+    "eval": {"path": ""},
+}
 
 
 def resolved_hash(config: dict) -> str:
     kept = {k: v for k, v in config.items() if k != "name" and ADDED_SINCE_SNAPSHOT.get(k, object()) != v}
+    for section, added in KEYS_ADDED_SINCE_SNAPSHOT.items():
+        if isinstance(kept.get(section), dict):
+            kept[section] = {k: v for k, v in kept[section].items() if added.get(k, object()) != v}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 

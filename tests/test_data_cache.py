@@ -34,6 +34,7 @@ def test_a_second_process_memory_maps_the_decoded_arrays(tmp_path, cache):
     (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".tmp-")]
     assert sorted(p.name for p in entry.iterdir()) == [
         "complete.json",
+        "labelled.npy",  # whether the file held labels (an .npz of x_train alone is unlabelled)
         "x_test.npy",
         "x_train.npy",
         "y_test.npy",

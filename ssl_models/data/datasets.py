@@ -26,15 +26,16 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ssl_models.data.partition import stratified_choice
 
-DATASET_NAMES = ("cifar10", "cifar100", "stl10", "npz", "synthetic")
+DATASET_NAMES = ("cifar10", "cifar100", "stl10", "npz", "folder", "synthetic")
 TORCHVISION_DATASETS = {"cifar10": 10, "cifar100": 100, "stl10": 10}
 # Same default as ``DataConfig.path`` documents: a per-user cache folder, never a machine path.
 DEFAULT_TORCHVISION_ROOT = "~/.cache/fedssl/data"
@@ -45,11 +46,16 @@ _CACHE_SIZE = 4
 
 @dataclass
 class ImageData:
-    """A labelled image data set split into train and test parts.
+    """An image data set split into train and test parts.
 
-    ``x_*`` are NHWC ``uint8`` arrays with 3 channels, ``y_*`` are 1-D ``int64`` label arrays.
-    Arrays returned by the cached loaders are shared between callers: treat them as read-only
-    (index them, which copies, instead of writing into them).
+    ``x_*`` are NHWC ``uint8`` arrays with 3 channels (possibly ``np.memmap``s of the decoded cache on disk), ``y_*``
+    are 1-D ``int64`` label arrays. Arrays returned by the cached loaders are shared between callers: treat them as
+    read-only (index them, which copies, instead of writing into them).
+
+    An unlabelled set (``labelled`` false: a folder of images, an .npz without labels) has ``y_train`` all zeros
+    (one class, so that the seeded class-stratified subsample and the iid split work unchanged), ``num_classes``
+    1 and no test part: what needs labels (a label-skewed split, the evaluation) refuses it or reads a labelled set
+    of its own (``eval.path``).
     """
 
     x_train: np.ndarray
@@ -58,6 +64,9 @@ class ImageData:
     y_test: np.ndarray
     num_classes: int
     name: str
+    labelled: bool = True
+    # The class names of labels 0..K-1 where the source has them (a folder's class subfolders), else empty.
+    class_names: tuple[str, ...] = ()
 
     @property
     def image_size(self) -> int:
@@ -123,12 +132,24 @@ def _build_image_data(
     name: str,
     source: str,
     num_classes: int | None = None,
+    labelled: bool = True,
 ) -> ImageData:
-    """Validate the four arrays and wrap them into an ``ImageData``."""
+    """Validate the four arrays and wrap them into an ``ImageData`` (an unlabelled set: ``y_train`` all zeros, no
+    test part, one class)."""
     validate_images(x_train, "x_train", source)
     validate_images(x_test, "x_test", source)
     if x_train.shape[1:] != x_test.shape[1:]:
         raise ValueError(f"{source}: x_train images are {x_train.shape[1:]} but x_test images are {x_test.shape[1:]}")
+    if not labelled:
+        return ImageData(
+            x_train,
+            np.zeros(len(x_train), np.int64),
+            x_test[:0],
+            np.zeros(0, np.int64),
+            num_classes=1,
+            name=name,
+            labelled=False,
+        )
     y_train = validate_labels(y_train, "y_train", x_train.shape[0], source)
     y_test = validate_labels(y_test, "y_test", x_test.shape[0], source)
     implied = _count_classes(y_train, y_test)
@@ -182,10 +203,13 @@ def _read_decoded(entry: Path, resolved_path: str, mtime_ns: int, size_bytes: in
     if marker != {"path": resolved_path, "mtime_ns": mtime_ns, "size": size_bytes}:
         return None  # another file, or another version of it: never served
     try:
-        return {
+        arrays = {
             key: np.load(entry / f"{key}.npy", mmap_mode="r" if key.startswith("x_") else None, allow_pickle=False)
             for key in NPZ_KEYS
         }
+        if (entry / "labelled.npy").is_file():  # written for every file since unlabelled ones are read
+            arrays["labelled"] = np.load(entry / "labelled.npy", allow_pickle=False)
+        return arrays
     except (OSError, ValueError):
         return None
 
@@ -231,6 +255,16 @@ def _read_npz_archive(resolved_path: str, source: str) -> dict[str, np.ndarray]:
         with np.load(resolved_path, allow_pickle=False) as archive:
             if not hasattr(archive, "files"):  # a plain .npy array saved under an .npz name
                 raise ValueError(f"{source} holds a single array, not an .npz archive of {list(NPZ_KEYS)}")
+            if "x_train" in archive.files and "y_train" not in archive.files:
+                # unlabelled training images: labels, a test part, are read from elsewhere (eval.path) if at all
+                x_train = archive["x_train"]
+                return {
+                    "x_train": x_train,
+                    "y_train": np.zeros(len(x_train), np.int64),
+                    "x_test": x_train[:0],
+                    "y_test": np.zeros(0, np.int64),
+                    "labelled": np.array(False),
+                }
             missing = [key for key in NPZ_KEYS if key not in archive.files]
             if missing:
                 raise ValueError(
@@ -271,11 +305,18 @@ def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> Imag
             arrays["y_test"],
             name=Path(resolved_path).stem,
             source=source,
+            labelled=bool(arrays.get("labelled", True)),
         )
         if entry is not None:
             _write_decoded(
                 entry,
-                {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test},
+                {
+                    "x_train": data.x_train,
+                    "y_train": data.y_train,
+                    "x_test": data.x_test,
+                    "y_test": data.y_test,
+                    "labelled": np.array(data.labelled),
+                },
                 resolved_path,
                 mtime_ns,
                 size_bytes,
@@ -288,11 +329,13 @@ def _load_npz_cached(resolved_path: str, mtime_ns: int, size_bytes: int) -> Imag
         arrays["y_test"],
         name=Path(resolved_path).stem,
         source=source,
+        labelled=bool(arrays.get("labelled", True)),
     )
 
 
 def load_npz(path: str | Path, name: str | None = None, num_classes: int | None = None) -> ImageData:
-    """Load an ``.npz`` holding ``x_train``, ``y_train``, ``x_test``, ``y_test``.
+    """Load an ``.npz`` holding ``x_train``, ``y_train``, ``x_test``, ``y_test``, or ``x_train`` alone (unlabelled
+    training images: ``ImageData.labelled`` false).
 
     Images must be NHWC ``uint8`` with 3 channels (NCHW is rejected with a hint), labels 1-D
     integers. ``name`` defaults to the file's stem; ``num_classes`` defaults to the largest label + 1.
@@ -466,10 +509,13 @@ def load_dataset(
     download: bool = False,
     seed: int = 0,
     synthetic_sizes: Sequence[int] = (600, 200, 10),
+    folder_options: Mapping[str, Any] | None = None,
 ) -> ImageData:
-    """Load a data set by name: ``cifar10``, ``cifar100``, ``stl10``, ``npz`` or ``synthetic``.
+    """Load a data set by name: ``cifar10``, ``cifar100``, ``stl10``, ``npz``, ``folder`` or ``synthetic``.
 
     * ``npz``: ``path`` names the file (required).
+    * ``folder``: ``path`` names a folder of images (``ssl_models.data.folder.load_folder``, with
+      ``folder_options``: ``image_size``, ``labels``, ``unreadable``).
     * ``cifar10`` / ``cifar100`` / ``stl10``: if ``path`` is an existing file it is read as an
       ``.npz`` export of that data set (e.g. the CIFAR-10 dev copy); otherwise torchvision's files
       are read from ``root`` (or from ``path`` when it is a folder; default ``~/.cache/fedssl/data``).
@@ -485,6 +531,12 @@ def load_dataset(
         if not path:
             raise ValueError("path must name an .npz file when name is 'npz'")
         return load_npz(path)
+    if name == "folder":
+        if not path:
+            raise ValueError("path must name a folder of images when name is 'folder'")
+        from .folder import load_folder
+
+        return load_folder(path, **dict(folder_options or {}))
     if path and Path(path).expanduser().is_file():
         return load_npz(path, name=name, num_classes=TORCHVISION_DATASETS[name])
     if path and root is None:

@@ -10,13 +10,20 @@ twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import TORCHVISION_DATASETS, ImageData
-from ssl_models.data.splits import FederatedSplit, eval_subsets, federated_split, load_experiment_data
+from ssl_models.data.splits import FederatedSplit, eval_subsets, federated_split, load_eval_data, load_experiment_data
+
+# Why a run scores nothing (summary.json's eval.reason, the run's last line).
+NOTHING_SCORED = (
+    "the training images are unlabelled and no eval.path names a labelled set to score the encoder on; its model.pt "
+    "is saved: score it later with fedssl-eval"
+)
 
 
 @dataclass(frozen=True)
@@ -25,8 +32,9 @@ class CheckedData:
 
     data: ImageData
     split: FederatedSplit
-    eval_train_idx: np.ndarray  # labelled images the kNN bank and the probe are fitted on
-    eval_test_idx: np.ndarray  # labelled images the scores are read on
+    eval_data: ImageData | None  # the labelled set the encoder is scored on (None: nothing is scored)
+    eval_train_idx: np.ndarray  # its images the kNN bank and the probe are fitted on
+    eval_test_idx: np.ndarray  # its images the scores are read on
 
     @property
     def client_sizes(self) -> list[int]:
@@ -37,18 +45,24 @@ def _data_key(cfg: ExperimentConfig) -> str:
     return "data.path" if cfg.data.path else "data.dataset"
 
 
-def load_checked(cfg: ExperimentConfig) -> ImageData:
+def load_checked(cfg: ExperimentConfig, log: Callable[[str], None] | None = None) -> ImageData:
     """The experiment's data set, or ConfigError naming ``data.path`` / ``data.dataset`` with the loader's reason
-    (images that are not RGB, labels that are not the classes 0..K-1, a file that is not an .npz archive)."""
+    (images that are not RGB, labels that are not the classes 0..K-1, a file that is not an .npz archive, a folder
+    without images or with unreadable files). ``log`` hears a folder's decoding progress."""
     try:
-        return load_experiment_data(cfg)
+        return load_experiment_data(cfg, log=log)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"{_data_key(cfg)}: {exc}") from None
 
 
-def split_checked(cfg: ExperimentConfig, labels: np.ndarray) -> FederatedSplit:
+def split_checked(cfg: ExperimentConfig, labels: np.ndarray, labelled: bool = True) -> FederatedSplit:
     """The federated split of ``labels``, or ConfigError naming the setting that makes it impossible."""
     d = cfg.data
+    if not labelled and d.partition != "iid":
+        raise ConfigError(
+            f"data.partition: {d.partition} splits the images by label, but the training images "
+            f"({cfg.data.path or cfg.data.dataset}) are unlabelled; use data.partition: iid"
+        )
     present = int(np.unique(labels).size)
     if d.partition == "pathological" and d.classes_per_client > present:
         raise ConfigError(
@@ -65,18 +79,20 @@ def split_checked(cfg: ExperimentConfig, labels: np.ndarray) -> FederatedSplit:
 
 
 def eval_checked(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np.ndarray]:
-    """The evaluation's labelled subsets, or ConfigError when they cannot be scored: kNN and the linear probe need
-    at least two classes among the images they are fitted on and at least one image to score."""
-    where = cfg.data.path or cfg.data.dataset
+    """The evaluation's labelled subsets of ``data`` (the evaluation set), or ConfigError when they cannot be scored:
+    kNN and the linear probe need at least two classes among the images they are fitted on and at least one image to
+    score."""
+    key = "eval.path" if cfg.eval.path else _data_key(cfg)
+    where = cfg.eval.path or cfg.data.path or cfg.data.dataset
     if data.num_classes < 2:
         raise ConfigError(
-            f"{_data_key(cfg)}: the labelled data ({where}) holds {data.num_classes} class; the "
+            f"{key}: the labelled data ({where}) holds {data.num_classes} class; the "
             "evaluation (kNN and linear probe) needs at least two classes to score an encoder"
         )
     train_idx, test_idx = eval_subsets(cfg, data)
     if len(test_idx) == 0:
         raise ConfigError(
-            f"{_data_key(cfg)}: the test split of {where} holds no images; the evaluation scores the "
+            f"{key}: the test split of {where} holds no images; the evaluation scores the "
             "encoder on it (give x_test and y_test)"
         )
     fitted_classes = int(np.unique(data.y_train[train_idx]).size)
@@ -86,17 +102,54 @@ def eval_checked(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np
             f"{fitted_classes} class; kNN and the linear probe need at least two (raise "
             "eval.max_train, or 0 for all)"
         )
+    side = cfg.image_side()
+    if cfg.eval.path and data.image_size != side:
+        raise ConfigError(
+            f"eval.path: its images are {data.image_size} px but the encoders see {side} px images; give an "
+            "evaluation set of the training images' side"
+        )
     return train_idx, test_idx
 
 
-def check_experiment_data(cfg: ExperimentConfig) -> CheckedData:
-    """Every check of an experiment's data that needs no client: it loads, it splits, it can be scored.
+def model_checked(cfg: ExperimentConfig) -> str:
+    """The encoder the data calls for can be built: a ViT's image side is a multiple of 8 (its 8x8 patches), and
+    ``model.init_weights`` loads into it (names and shapes). Returns the weights' line for the log ("" without);
+    ConfigError naming the key otherwise."""
+    side = cfg.image_side()
+    archs = {cfg.model.arch, *cfg.model.client_archs, *cfg.model.client_arch_pool}
+    if any(a.startswith("vit") for a in archs) and side % 8:
+        raise ConfigError(
+            f"data.image_size: the ViT cuts images into 8x8 patches, so their side must be a multiple "
+            f"of 8 (got {side} px)"
+        )
+    from ssl_models.init_weights import check_init_weights
+
+    try:
+        return check_init_weights(cfg)
+    except ValueError as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith("model.init_weights") else f"model.init_weights: {text}") from None
+
+
+def check_experiment_data(cfg: ExperimentConfig, log: Callable[[str], None] | None = None) -> CheckedData:
+    """Every check of an experiment's data that needs no client: it loads, it splits, it can be scored (or there is
+    nothing to score it on: unlabelled training images and no eval.path, which the run says).
 
     Raises ConfigError (one line naming the setting)."""
-    data = load_checked(cfg)
-    split = split_checked(cfg, data.y_train)
-    train_idx, test_idx = eval_checked(cfg, data)
-    return CheckedData(data, split, train_idx, test_idx)
+    data = load_checked(cfg, log)
+    split = split_checked(cfg, data.y_train, data.labelled)
+    weights = model_checked(cfg)
+    if weights and log is not None:
+        log(weights)
+    try:
+        eval_data = load_eval_data(cfg) if cfg.eval.path else (data if data.labelled else None)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"eval.path: {exc}") from None
+    if eval_data is None:
+        empty = np.zeros(0, np.int64)
+        return CheckedData(data, split, None, empty, empty)
+    train_idx, test_idx = eval_checked(cfg, eval_data)
+    return CheckedData(data, split, eval_data, train_idx, test_idx)
 
 
 def data_is_local(cfg: ExperimentConfig) -> bool:

@@ -10,11 +10,13 @@ config travels, never index lists. Order of operations, fixed so that results ar
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ssl_models.config import ExperimentConfig
+from ssl_models.config import FOLDER_IMAGE_SIZE, ExperimentConfig
 from ssl_models.data.datasets import ImageData, load_dataset, subsample
 from ssl_models.data.partition import partition_indices, public_split
 
@@ -25,7 +27,9 @@ class FederatedSplit:
     client_idx: tuple[np.ndarray, ...]  # per client, indices into x_train
 
 
-def load_experiment_data(cfg: ExperimentConfig, path: str | None = None) -> ImageData:
+def load_experiment_data(
+    cfg: ExperimentConfig, path: str | None = None, log: Callable[[str], None] | None = None
+) -> ImageData:
     """The experiment's data set (files are cached by ``ssl_models.data.datasets``). ``path`` overrides data.path."""
     d = cfg.data
     return load_dataset(
@@ -34,6 +38,12 @@ def load_experiment_data(cfg: ExperimentConfig, path: str | None = None) -> Imag
         download=d.download,
         seed=cfg.seed,
         synthetic_sizes=(d.synthetic_train, d.synthetic_test, d.synthetic_classes),
+        folder_options={
+            "image_size": d.image_size or FOLDER_IMAGE_SIZE,
+            "labels": d.folder_labels,
+            "unreadable": d.unreadable,
+            "log": log,
+        },
     )
 
 
@@ -126,4 +136,57 @@ def eval_subsets(cfg: ExperimentConfig, data: ImageData) -> tuple[np.ndarray, np
     return (
         subsample(data.y_train, e.max_train or None, seed=train_seed),
         subsample(data.y_test, e.max_test or None, seed=test_seed),
+    )
+
+
+EVAL_TEST_FOLDERS = ("test", "val")  # an eval.path folder's scored part: the first of these that exists
+
+
+def load_eval_data(cfg: ExperimentConfig) -> ImageData | None:
+    """The labelled set the encoder is scored on: ``eval.path`` when given (an .npz with its four arrays, or a
+    folder with ``train/`` and ``test/`` or ``val/`` subfolders of one subfolder per class, brought to the run's image
+    side), else the training data set when it is labelled, else None (nothing to score against)."""
+    from pathlib import Path
+
+    from ssl_models.data.datasets import _build_image_data, load_npz
+
+    path = cfg.eval.path
+    if not path:
+        data = load_experiment_data(cfg)
+        return data if data.labelled else None
+    where = Path(path).expanduser()
+    if where.is_file() or where.suffix == ".npz":
+        data = load_npz(where)
+        if not data.labelled:
+            raise ValueError(
+                f"{where} holds no labels (x_train alone): the evaluation set needs x_train, y_train, x_test and y_test"
+            )
+        return data
+    if not where.is_dir():
+        raise FileNotFoundError(f"{where} does not exist (resolved to {where.resolve()})")
+    from ssl_models.data.folder import load_folder
+
+    test_dir = next((where / name for name in EVAL_TEST_FOLDERS if (where / name).is_dir()), None)
+    if not (where / "train").is_dir() or test_dir is None:
+        raise ValueError(
+            f"{where} must hold a train/ folder and a test/ (or val/) folder, each with one subfolder per class"
+        )
+    side = cfg.image_side()
+    options: dict[str, Any] = {"image_size": side, "labels": "subfolders", "unreadable": cfg.data.unreadable}
+    train, test = load_folder(where / "train", **options), load_folder(test_dir, **options)
+    train_names = list(getattr(train, "class_names", []) or [])
+    test_names = list(getattr(test, "class_names", []) or [])
+    unknown = sorted(set(test_names) - set(train_names))
+    if unknown:
+        raise ValueError(f"{test_dir} has classes that {where / 'train'} lacks: {unknown[:5]}")
+    # the test part's class ids as the train part numbers them (a test folder may lack a class)
+    to_train_id = np.array([train_names.index(n) for n in test_names], dtype=np.int64)
+    return _build_image_data(
+        train.x_train,
+        train.y_train,
+        test.x_train,
+        to_train_id[test.y_train],
+        name=where.name,
+        source=f"eval.path {where}",
+        num_classes=len(train_names),
     )

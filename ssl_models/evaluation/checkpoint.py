@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ssl_models.networks import ARCH_OPTIONS, build_backbone
+from ssl_models.networks import ARCH_OPTIONS, backbone_build_settings, build_backbone
 from ssl_models.networks.input_norm import input_normalization_of
 
 CHECKPOINT_FORMAT = "fedssl-encoder/1"
@@ -71,10 +71,15 @@ def _plain_value(value: Any, where: str) -> Any:
 
 
 def _arch_options_of(backbone: nn.Module, arch: str) -> dict[str, Any]:
-    """The architecture options that shape ``backbone``'s weights: ``depth`` (blocks held) for a growable ViT."""
+    """What shapes ``backbone``'s weights beyond arch and width, as ``build_backbone`` keywords: ``depth`` (blocks held)
+    for a growable ViT, and the build settings (a ResNet's ``stem``, a ViT's ``image_size``) where they differ from
+    the defaults, so that a file of a default encoder reads as it always did."""
+    options: dict[str, Any] = {}
     if "depth" in ARCH_OPTIONS.get(arch, ()) and isinstance(depth := getattr(backbone, "depth", None), int):
-        return {"depth": int(depth)}
-    return {}
+        options["depth"] = int(depth)
+    defaults = {"stem": "cifar", "image_size": 32}
+    options.update({k: v for k, v in backbone_build_settings(backbone).items() if defaults.get(k) != v})
+    return options
 
 
 def _check_matches_architecture(

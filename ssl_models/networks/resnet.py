@@ -1,8 +1,16 @@
-"""CIFAR-style ResNet backbones for self-supervised learning.
+"""ResNet backbones for self-supervised learning, with a CIFAR or an ImageNet stem.
 
-The networks follow the usual CIFAR adaptation of ResNet (as used by EasyFL/FedEMA, SimCLR's CIFAR
-experiments and solo-learn): the ImageNet 7x7 stride-2 stem and max-pool are replaced by a single 3x3
-stride-1 convolution, because 32x32 inputs would otherwise be down-sampled to 8x8 before the first block.
+Two stems (``stem`` of :func:`build_resnet`):
+
+- ``"cifar"`` (the default): the usual CIFAR adaptation of ResNet (as used by EasyFL/FedEMA, SimCLR's CIFAR
+  experiments and solo-learn): a single 3x3 stride-1 convolution and no max-pool, because 32x32 inputs would
+  otherwise be down-sampled to 8x8 before the first block.
+- ``"imagenet"``: torchvision's stem, a 7x7 stride-2 convolution (padding 3), BN, ReLU and a 3x3 stride-2 max-pool
+  (padding 1), which divides the side by 4 before the first block: the choice for larger images (96 px and up).
+
+Either way the stem is ``stem.0`` (convolution) and ``stem.1`` (BN) in the state dict, and the stages are
+``layer1..layer4`` with torchvision's block names (``conv1``, ``bn1``, ...), except that torchvision's
+``downsample`` is ``shortcut`` here (``ssl_models.init_weights`` maps one onto the other).
 The classification layer is dropped: every backbone returns pooled, flattened features of shape
 ``(N, feature_dim)`` so SSL heads can be attached on top.
 """
@@ -14,6 +22,7 @@ from torch import nn
 
 BASE_WIDTHS: tuple[int, int, int, int] = (64, 128, 256, 512)
 STAGE_STRIDES: tuple[int, int, int, int] = (1, 2, 2, 2)
+STEMS: tuple[str, ...] = ("cifar", "imagenet")
 
 
 class BasicBlock(nn.Module):
@@ -88,10 +97,33 @@ def scaled_widths(width: float) -> tuple[int, ...]:
     return tuple(max(1, round(base * width)) for base in BASE_WIDTHS)
 
 
-class CifarResNet(nn.Module):
-    """ResNet trunk with a CIFAR stem, ending in global average pooling and flattening.
+def _make_stem(stem: str, channels: int) -> nn.Sequential:
+    """The input stem: convolution (``stem.0``), BN (``stem.1``), ReLU, and for ImageNet a max-pool.
 
-    ``feature_dim`` is the number of channels of the last stage, i.e. the length of the returned vectors.
+    The indices of the convolution and BN are the same for both stems, so a CIFAR-stem state dict keeps the
+    key names it always had.
+    """
+    if stem == "cifar":
+        return nn.Sequential(
+            nn.Conv2d(3, channels, 3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+        )
+    if stem == "imagenet":
+        return nn.Sequential(
+            nn.Conv2d(3, channels, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+    raise ValueError(f"stem must be one of {list(STEMS)}, got {stem!r}")
+
+
+class ResNetTrunk(nn.Module):
+    """ResNet trunk (CIFAR or ImageNet stem, four stages), ending in global average pooling and flattening.
+
+    ``feature_dim`` is the number of channels of the last stage, i.e. the length of the returned vectors;
+    ``stem_name`` is the stem's name (``"cifar"`` or ``"imagenet"``; ``stem`` is the stem module itself).
     """
 
     def __init__(
@@ -99,6 +131,7 @@ class CifarResNet(nn.Module):
         block: BlockType,
         blocks_per_stage: tuple[int, ...],
         widths: tuple[int, ...],
+        stem: str = "cifar",
     ) -> None:
         super().__init__()
         if len(blocks_per_stage) != len(widths):
@@ -108,11 +141,8 @@ class CifarResNet(nn.Module):
             )
         stem_channels = widths[0]
         self.input_norm: nn.Module = nn.Identity()  # InputNormalization when the experiment normalises inputs
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, stem_channels, 3, stride=1, padding=1, bias=False),
-            nn.BatchNorm2d(stem_channels),
-            nn.ReLU(inplace=True),
-        )
+        self.stem_name = stem
+        self.stem = _make_stem(stem, stem_channels)
         stages: list[nn.Module] = []
         in_channels = stem_channels
         for num_blocks, channels, stride in zip(blocks_per_stage, widths, STAGE_STRIDES):
@@ -127,6 +157,13 @@ class CifarResNet(nn.Module):
         x = self.stem(self.input_norm(x))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.flatten(self.pool(x))
+
+    def extra_repr(self) -> str:
+        return f"stem={self.stem_name!r}, feature_dim={self.feature_dim}"
+
+
+# The name this trunk had when it only had the CIFAR stem.
+CifarResNet = ResNetTrunk
 
 
 def _make_stage(
@@ -150,8 +187,8 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(layer.bias)
 
 
-def build_resnet(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
-    """Build a CIFAR ResNet trunk and return ``(module, feature_dim)``.
+def build_resnet(arch: str, width: float = 1.0, stem: str = "cifar") -> tuple[nn.Module, int]:
+    """Build a ResNet trunk with the ``stem`` (``"cifar"`` or ``"imagenet"``) and return ``(module, feature_dim)``.
 
     ``module(x)`` maps float NCHW images to ``(N, feature_dim)`` features. ``feature_dim`` is read from the
     built layers (512*width for ResNet-18/34, 2048*width for ResNet-50, up to rounding).
@@ -159,6 +196,6 @@ def build_resnet(arch: str, width: float = 1.0) -> tuple[nn.Module, int]:
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     block, blocks_per_stage = ARCHITECTURES[arch]
-    model = CifarResNet(block, blocks_per_stage, scaled_widths(width))
+    model = ResNetTrunk(block, blocks_per_stage, scaled_widths(width), stem)
     _init_weights(model)
     return model, model.feature_dim

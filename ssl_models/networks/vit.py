@@ -33,6 +33,10 @@ state dict (``prefix="backbone."`` for an SSL method's state). Neither the activ
 the depth-dropout settings are in the state dict: every party sets them from its config.
 
 ``width`` scales D: D = round(192 * width), rounded to a multiple of the (fixed) 3 heads; the MLP is 4D.
+
+Larger images: the registry builder takes the image side, ``build_vit("vit_tiny", width, image_size=S)``, and cuts
+the image into the same 8x8 grid of patches as ViT-Tiny/4 does at 32 px: patch size S // 8 (8 at 64 px, 12 at
+96 px), so there are always 64 tokens (+ CLS) and only the patch projection grows. S must be a multiple of 8.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ MLP_RATIO = 4
 DEFAULT_DEPTH = 12
 PATCH_SIZE = 4
 IMAGE_SIZE = 32
+# Patches per image side: ViT-Tiny/4 on 32 px images has 8; other sides keep that grid (patch = side // 8).
+PATCHES_PER_SIDE = IMAGE_SIZE // PATCH_SIZE
 LAYER_NORM_EPS = 1e-6
 TRAINABLE_MODES: tuple[str, ...] = ("all", "last_block")
 BLOCK_INITS: tuple[str, ...] = ("copy", "fresh")
@@ -325,16 +331,37 @@ def vit_dim_for_width(width: float, num_heads: int = NUM_HEADS) -> int:
     return max(num_heads, num_heads * round(round(BASE_DIM * width) / num_heads))
 
 
-def build_vit_tiny(width: float = 1.0, depth: int = DEFAULT_DEPTH) -> VisionTransformer:
-    """ViT-Tiny/4 for 32x32 with ``depth`` blocks (all active, all trainable) and D scaled by ``width``."""
-    return VisionTransformer(embed_dim=vit_dim_for_width(width), depth=depth, num_heads=NUM_HEADS)
+def patch_size_for(image_size: int) -> int:
+    """The patch side that cuts an ``image_size`` image into an 8x8 grid: 4 at 32 px, 8 at 64, 12 at 96."""
+    _check_positive_int("image_size", image_size)
+    if image_size % PATCHES_PER_SIDE:
+        raise ValueError(
+            f"a vit_tiny needs an image side that is a multiple of {PATCHES_PER_SIDE} (it cuts the image into "
+            f"{PATCHES_PER_SIDE}x{PATCHES_PER_SIDE} patches), got {image_size} px"
+        )
+    return image_size // PATCHES_PER_SIDE
 
 
-def build_vit(arch: str, width: float = 1.0, depth: int = DEFAULT_DEPTH) -> tuple[nn.Module, int]:
-    """Registry builder (``BACKBONES["vit_tiny"]``): ``(module, feature_dim)``; ``depth`` = blocks held."""
+def build_vit_tiny(width: float = 1.0, depth: int = DEFAULT_DEPTH, image_size: int = IMAGE_SIZE) -> VisionTransformer:
+    """ViT-Tiny with ``depth`` blocks (all active, all trainable), D scaled by ``width``, for ``image_size`` px
+    images in 8x8 patches (ViT-Tiny/4 at the default 32 px)."""
+    return VisionTransformer(
+        embed_dim=vit_dim_for_width(width),
+        depth=depth,
+        num_heads=NUM_HEADS,
+        patch_size=patch_size_for(image_size),
+        image_size=image_size,
+    )
+
+
+def build_vit(
+    arch: str, width: float = 1.0, depth: int = DEFAULT_DEPTH, image_size: int = IMAGE_SIZE
+) -> tuple[nn.Module, int]:
+    """Registry builder (``BACKBONES["vit_tiny"]``): ``(module, feature_dim)``; ``depth`` = blocks held,
+    ``image_size`` = the side of the input images (patch size ``image_size // 8``)."""
     if arch != "vit_tiny":
         raise ValueError(f"arch must be 'vit_tiny', got {arch!r}")
-    model = build_vit_tiny(width, depth)
+    model = build_vit_tiny(width, depth, image_size)
     return model, model.feature_dim
 
 
@@ -354,6 +381,7 @@ __all__ = [
     "VisionTransformer",
     "build_vit",
     "build_vit_tiny",
+    "patch_size_for",
     "vit_depth_of_state",
     "vit_dim_for_width",
 ]
