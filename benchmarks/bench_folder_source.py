@@ -51,6 +51,28 @@ CACHE_VARIABLE = "FEDSSL_DATA_CACHE"  # ssl_models.data.datasets.DECODED_CACHE_V
 # --------------------------------------------------------------------------------------------------
 
 
+def public_argv(argv: list[str]) -> list[str]:
+    """The command line as a results file shows it: the folders of the machine that ran it named by their option
+    (``--workdir WORKDIR``), the script by its path in the repository."""
+    folder_options = ("--workdir", "--results-dir")
+
+    def placeholder(option: str) -> str:
+        return option.lstrip("-").replace("-", "_").upper()
+
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[0]
+        if i > 0 and argv[i - 1] in folder_options:
+            out.append(placeholder(argv[i - 1]))
+        elif "=" in arg and name in folder_options:
+            out.append(f"{name}={placeholder(name)}")
+        else:
+            out.append(arg)
+    if out and out[0].endswith("bench_folder_source.py"):
+        out[0] = "benchmarks/bench_folder_source.py"
+    return out
+
+
 def memory_status() -> dict[str, int]:
     """This process's VmHWM, VmRSS, RssAnon and RssFile in bytes (Linux; empty elsewhere)."""
     wanted = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
@@ -99,8 +121,51 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     elif spec["read"] == "share":
         count, seconds = read_share(data.x_train, spec["share"], spec["batch"], seed=1)
         result.update(read_images=count, read_s=seconds)
+    elif spec["read"] == "train":
+        result.update(train_local(data.x_train, spec))
     result["memory"] = memory_status()
     return result
+
+
+def train_local(images: np.ndarray, spec: dict[str, Any]) -> dict[str, Any]:
+    """Local SSL training as a client runs it (``ssl_models.training.train_ssl``) on every loaded image: a node that
+    trains on its own data. Memory-mapped images are read a batch at a time; an in-memory array is used as it is.
+    The first ``warmup`` steps (allocations, first-touch of the model) are not timed."""
+    import torch
+
+    from ssl_models.config import ExperimentConfig
+    from ssl_models.factory import build_augment, build_ssl_model
+    from ssl_models.training import train_ssl
+
+    torch.set_num_threads(spec["threads"])
+    side = int(images.shape[1])
+    cfg = ExperimentConfig.from_dict(
+        {
+            "data": {"dataset": "folder", "path": spec["path"], "image_size": side},
+            "model": {"arch": "resnet18", "width": spec["width"]},
+            "method": {"name": "simclr", "options": {"proj_hidden_dim": 128, "proj_out_dim": 64}},
+        }
+    )
+    method = build_ssl_model(cfg, seed=0)
+    common = {
+        "batch_size": spec["batch"],
+        "lr": 1e-3,
+        "optimizer": "adam",
+        "device": "cpu",
+        "seed": 0,
+        "augment": build_augment(cfg, side),
+        "fast_path": False,
+    }
+    train_ssl(method, images, epochs=1, max_steps_per_epoch=spec["warmup"], **common)
+    started = time.perf_counter()
+    stats = train_ssl(method, images, epochs=1, max_steps_per_epoch=spec["train_steps"], **common)
+    seconds = time.perf_counter() - started
+    return {
+        "train_steps": stats.steps,
+        "train_images": stats.steps * spec["batch"],
+        "train_s": seconds,
+        "stem": cfg.resnet_stem(),
+    }
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -188,12 +253,30 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     client_memmap = run_child({**folder_spec, "read": "share"})
     client_memory = run_child({**npz_spec, "read": "share"})
+    train = {"train_steps": args.train_steps, "warmup": 2, "width": args.width, "threads": args.threads}
+    train_memmap = run_child({**folder_spec, **train, "read": "train"})
+    train_memory = run_child({**npz_spec, **train, "read": "train"})
+    print(
+        f"training: folder cache {train_memmap['train_images'] / train_memmap['train_s']:.1f} images/s, "
+        f"npz in memory {train_memory['train_images'] / train_memory['train_s']:.1f} images/s",
+        flush=True,
+    )
 
     entry_bytes = folder_bytes(cache)
     array_bytes = args.images * args.image_size**2 * 3
 
     def rate(count: int, seconds: float) -> float | None:
         return round(count / seconds, 1) if seconds > 0 else None
+
+    def train_client(result: dict[str, Any]) -> dict[str, Any]:
+        memory = result["memory"]
+        return {
+            "images_per_s": rate(result["train_images"], result["train_s"]),
+            "train_s": round(result["train_s"], 2),
+            "peak_rss_mib": mib(memory.get("VmHWM", 0)),
+            "end_rss_anon_mib": mib(memory.get("RssAnon", 0)),
+            "end_rss_file_mib": mib(memory.get("RssFile", 0)),
+        }
 
     def client(result: dict[str, Any]) -> dict[str, Any]:
         memory = result["memory"]
@@ -206,7 +289,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
 
     return {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *public_argv(sys.argv)]),
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
@@ -237,6 +320,19 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "load_and_read_images_per_s": rate(later["images"], later["load_s"] + later["read_s"]),
         },
         "npz_load": {"seconds": round(npz["load_s"], 3), "images_per_s": rate(npz["images"], npz["load_s"])},
+        "training": {
+            "model": f"SimCLR, resnet18 width {args.width} ({train_memmap['stem']} stem), fp32, "
+            f"{args.threads} torch threads",
+            "batch": args.batch,
+            "steps": train_memmap["train_steps"],
+            "memory_mapped_folder": train_client(train_memmap),
+            "whole_array_in_memory_npz": train_client(train_memory),
+            "folder_over_npz": round(
+                (train_memmap["train_images"] / train_memmap["train_s"])
+                / (train_memory["train_images"] / train_memory["train_s"]),
+                3,
+            ),
+        },
         "client_share": {
             "share": args.share,
             "batch": args.batch,
@@ -285,6 +381,28 @@ def markdown(result: dict[str, Any]) -> str:
         f"| {name} | {row['read_s']} | {row['peak_rss_mib']} | {row['end_rss_anon_mib']} | {row['end_rss_file_mib']} |"
         for name, row in client_rows
     ]
+    train = result["training"]
+    lines += [
+        "",
+        (
+            f"Local training on every loaded image, as a node with its own data trains ({train['model']}, batch "
+            f"{train['batch']}, {train['steps']} timed steps after 2 untimed ones): the memory-mapped images are read a "
+            f"batch at a time, the .npz's array is used as it is in memory. Folder over .npz: "
+            f"{train['folder_over_npz']:.3f} of the training throughput."
+        ),
+        "",
+        "| training process | images/s | peak RSS MiB | RSS anon at end MiB | RSS file-backed at end MiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, key in (
+        ("folder, memory-mapped cache", "memory_mapped_folder"),
+        (".npz, whole array in memory", "whole_array_in_memory_npz"),
+    ):
+        row = train[key]
+        lines.append(
+            f"| {name} | {row['images_per_s']} | {row['peak_rss_mib']} | {row['end_rss_anon_mib']} | "
+            f"{row['end_rss_file_mib']} |"
+        )
     note = (
         "File-backed RSS is the pages of the cache file the process touched: page cache shared by every client "
         "process of the machine and reclaimable by the kernel; anonymous RSS is the process's own memory."
@@ -303,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--share", type=float, default=0.5, help="a client's share of the images")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--npz-compressed", action="store_true")
+    parser.add_argument("--train-steps", type=int, default=30, help="timed local training steps (batch --batch)")
+    parser.add_argument("--width", type=float, default=0.25, help="the trained ResNet-18's width")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the training child")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed afterwards")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)

@@ -42,7 +42,10 @@ class LoopbackDeployment:
         name: str = "campaign",
         threads_per_node: int | None = None,
         extra_env: dict[str, str] | None = None,
+        node_configs: list[str] | None = None,
     ) -> None:
+        """``node_configs``: more node config for each SuperNode, in order (e.g. ``data-path='/data/site-a'``: the node
+        trains on its own data)."""
         self.folder = Path(folder).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.num_nodes = int(num_nodes)
@@ -67,6 +70,9 @@ class LoopbackDeployment:
             **(extra_env or {}),
         }
         self.procs: list[subprocess.Popen] = []
+        self.node_configs = list(node_configs or [""] * self.num_nodes)
+        if len(self.node_configs) != self.num_nodes:
+            raise ValueError(f"node_configs: one per SuperNode ({self.num_nodes}), got {len(self.node_configs)}")
 
     @property
     def cli_env(self) -> dict[str, str]:
@@ -134,7 +140,7 @@ class LoopbackDeployment:
                     "--port",
                     str(free_port()),
                     "--node-config",
-                    f"partition-id={i} num-partitions={self.num_nodes}",
+                    f"partition-id={i} num-partitions={self.num_nodes} {self.node_configs[i]}".strip(),
                 ],
             )
 

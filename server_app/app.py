@@ -407,8 +407,13 @@ def main(grid: Grid, context: Context) -> None:
                 )
             cfg, config_path = load_experiment(context.run_config)
         if roots is not None:
-            if cfg.data.path:
-                confine(cfg.data.path, "data.path", roots)
+            for key, named in (
+                ("data.path", cfg.data.path),
+                ("eval.path", cfg.eval.path),
+                ("model.init_weights", cfg.model.init_weights),
+            ):
+                if named:  # every file the ServerApp reads stays inside the operator's roots
+                    confine(named, key, roots)
             if not resume:
                 confine(output_dir_for(cfg), "output-dir", roots)
         # The data loads, splits and can be scored: checked before the output folder exists and any client trains.

@@ -42,6 +42,7 @@ class ConfigError(ValueError):
 DATASETS = ("cifar10", "cifar100", "stl10", "npz", "folder", "synthetic")
 FOLDER_LABELS = ("auto", "subfolders", "none")
 UNREADABLE = ("stop", "skip")
+STL10_SPLITS = ("train", "unlabeled", "train+unlabeled")
 STEMS = ("auto", "cifar", "imagenet")
 FOLDER_IMAGE_SIZE = 96  # the side a folder's images are brought to when data.image_size is 0
 # The side of each named data set's images (an .npz and a synthetic set: their arrays').
@@ -75,6 +76,10 @@ class DataConfig:
     # (named on the log).
     unreadable: str = "stop"
     download: bool = False  # let torchvision download cifar10 / cifar100 / stl10 when its files are missing
+    # STL-10's training images (dataset: stl10, read from stl10_binary/ under ``path``): train (the 5 000 labelled
+    # ones), unlabeled (the 100 000 unlabelled ones) or train+unlabeled (the 105 000 the papers pre-train on). The
+    # last two are unlabelled training data (partition: iid); the labelled train/test splits stay the evaluation's.
+    stl10_split: str = "train"
     # Class-stratified subsample of the training set before anything else; 0 keeps everything.
     max_train: int = 0
     partition: str = "pathological"  # split between clients: iid, dirichlet (alpha, min_size) or pathological
@@ -308,6 +313,20 @@ class ExperimentConfig:
         )
         _one_of(d.folder_labels, FOLDER_LABELS, "data.folder_labels")
         _one_of(d.unreadable, UNREADABLE, "data.unreadable")
+        _one_of(d.stl10_split, STL10_SPLITS, "data.stl10_split")
+        _require(
+            d.stl10_split == "train" or d.dataset == "stl10",
+            "data.stl10_split",
+            f"applies to data.dataset stl10 only (data.dataset is {d.dataset})",
+            d.stl10_split,
+        )
+        _require(
+            d.stl10_split == "train" or d.partition == "iid",
+            "data.partition",
+            f"must be iid with data.stl10_split {d.stl10_split}: those training images are unlabelled, and a "
+            f"{d.partition} split divides them by label",
+            d.partition,
+        )
         _one_of(self.model.stem, STEMS, "model.stem")
         if d.dataset == "synthetic":
             _require(d.synthetic_train >= 1, "data.synthetic_train", "must be >= 1", d.synthetic_train)
@@ -498,7 +517,7 @@ class ExperimentConfig:
         if d.dataset == "synthetic":
             return 32
         if d.path and Path(d.path).expanduser().is_file():
-            return _npz_side(str(Path(d.path).expanduser().resolve()))
+            return npz_image_side(str(Path(d.path).expanduser().resolve()))
         return DATASET_SIDES.get(d.dataset, 32)
 
     def resnet_stem(self) -> str:
@@ -734,7 +753,7 @@ def _pair(values: list, key: str, rule: str, check) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _npz_side(path: str) -> int:
+def npz_image_side(path: str) -> int:
     """The image side of an .npz file's ``x_train`` (its header only: nothing is decompressed); 32 if unreadable."""
     import zipfile
 

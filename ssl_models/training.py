@@ -209,20 +209,30 @@ def train_ssl(
     """
     device = torch.device(device) if isinstance(device, str) else device
     fp = fast_path_for(device, fast_path)
-    x = torch.as_tensor(images)
-    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
-        raise ValueError(f"images: expected NHWC uint8 with 3 channels, got {tuple(x.shape)} {x.dtype}")
-    n = int(x.shape[0])
+    # Images memory-mapped from the decoded cache on disk (a folder's, a node's own data) are read a batch at a time,
+    # so that the process's memory does not grow with their number; the others are moved to the device once.
+    streamed = isinstance(images, np.memmap)
+    shape, dtype = tuple(images.shape), images.dtype
+    if len(shape) != 4 or shape[-1] != 3 or dtype not in (np.uint8, torch.uint8):
+        raise ValueError(f"images: expected NHWC uint8 with 3 channels, got {shape} {dtype}")
+    n = int(shape[0])
     if n < 2:
         raise ValueError(f"images: need at least 2 images to train, got {n}")
-    x = x.to(device)
+    x = None if streamed else torch.as_tensor(images).to(device)
+
+    def rows(picked: torch.Tensor) -> torch.Tensor:
+        if x is not None:
+            return x[picked]
+        in_file_order = np.sort(picked.cpu().numpy())  # sequential reads of the mapped file
+        return torch.from_numpy(np.ascontiguousarray(images[in_file_order])).to(device, non_blocking=True)
+
     # A partition smaller than one batch still trains (one step per epoch on everything it has).
     bs = min(batch_size, n)
     steps_per_epoch = n // bs if drop_last else math.ceil(n / bs)
     if max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, max_steps_per_epoch)
 
-    augment = (augment or SSLAugment(image_size=int(x.shape[1]))).to(device)
+    augment = (augment or SSLAugment(image_size=int(shape[1]))).to(device)
     method.to(device)
     if fp.channels_last:
         method.to(memory_format=torch.channels_last)
@@ -241,7 +251,7 @@ def train_ssl(
             epoch_hook(method, epoch)
         perm = torch.randperm(n, generator=perm_gen).to(device)
         for step in range(steps_per_epoch):
-            batch = x[perm[step * bs : (step + 1) * bs]]
+            batch = rows(perm[step * bs : (step + 1) * bs])
             if batch.shape[0] < 2:  # a last partial batch of one image cannot form pairs
                 continue
             v1, v2 = augment.two_views(batch, generator=gen)

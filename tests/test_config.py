@@ -244,7 +244,7 @@ SNAPSHOT = json.loads((REPO / "tests" / "config_snapshot.json").read_text())
 ADDED_SINCE_SNAPSHOT = {"logging": {"tensorboard": False}}
 # Keys added to existing sections after the snapshot, with their defaults (the same rule, one key at a time).
 KEYS_ADDED_SINCE_SNAPSHOT = {
-    "data": {"image_size": 0, "folder_labels": "auto", "unreadable": "stop"},
+    "data": {"image_size": 0, "folder_labels": "auto", "unreadable": "stop", "stl10_split": "train"},
     "model": {"stem": "auto", "init_weights": ""},
     "eval": {"path": ""},
 }

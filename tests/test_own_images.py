@@ -92,3 +92,50 @@ def test_the_own_images_recipe_runs_as_written(tmp_path):
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.strip() == f"resnet18 torch.Size([1, {summary['eval']['feature_dim']}])"
+
+
+@pytest.mark.e2e
+def test_two_sites_each_train_on_their_own_folder_in_a_loopback_deployment(tmp_path):
+    """The page's deployed command against a SuperLink and two SuperNodes on loopback, each node's data-path its own
+    folder of a different size: each client trains on its own site's images, the server scores on its labelled
+    folder."""
+    from fedssl_gpu.deploy import LoopbackDeployment
+
+    site_a, site_b, sample, labelled = (tmp_path / n for n in ("site-a", "site-b", "sample", "labelled"))
+    write_images(site_a, 20, seed=1)
+    write_images(site_b, 28, seed=2)
+    write_images(sample, 8, seed=3)
+    for part, count in (("train", 6), ("test", 3)):
+        for cls, tint in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
+            write_images(labelled / part / cls, count, tint, seed=len(part) + len(cls))
+    command = recipe("deployed").strip()
+    assert command.startswith("flwr run . fed --stream --run-config ")
+    command = command.replace("/data/sample", str(sample)).replace("/data/labelled", str(labelled))
+    args = shlex.split(command)
+    out = tmp_path / "run"
+    run_config = args[-1] + f" output-dir='{out}' rounds=1 train.max_steps_per_epoch=2 eval.probe_epochs=5"
+    node_configs = [f"data-path='{site_a}'", f"data-path='{site_b}'"]
+    deployment = LoopbackDeployment(
+        tmp_path / "deployment",
+        2,
+        allowed_roots=[tmp_path],
+        name="fed",
+        threads_per_node=1,
+        extra_env={"FEDSSL_DATA_CACHE": str(tmp_path / "cache")},
+        node_configs=node_configs,
+    )
+    with deployment:
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "flwr"), *args[1:-1], run_config],
+            cwd=REPO,
+            env=deployment.cli_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        logs = deployment.logs_tail()
+    assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-3000:] + logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"]["client_sizes"] == [20, 28]  # what each site trained on: its own folder
+    assert summary["eval"]["scored"] is True and summary["eval"]["num_test"] == 6

@@ -6,7 +6,9 @@ convention); conversion to float NCHW happens on the training device (see ``ssl_
 Sources:
 
 * ``.npz`` files holding ``x_train``, ``y_train``, ``x_test``, ``y_test`` (any data set a user exports);
-* torchvision's on-disk formats of CIFAR-10, CIFAR-100 and STL-10 (labelled train/test splits);
+* torchvision's on-disk formats of CIFAR-10 and CIFAR-100 (labelled train/test splits);
+* STL-10's own binary files (``stl10_binary/``), read with numpy: its labelled train/test splits and its unlabelled
+  split, decoded once into NHWC ``.npy`` files of the decoded cache and memory-mapped (``load_stl10``);
 * a deterministic synthetic data set with class-dependent patterns, for smoke tests without files.
 
 Loaded files are cached per process (see ``load_npz``) because simulated clients living in one
@@ -26,7 +28,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -399,7 +401,8 @@ def _load_torchvision_cached(name: str, root: str, download: bool) -> ImageData:
 
 
 def load_torchvision(name: str, root: str | Path | None = None, download: bool = False) -> ImageData:
-    """Load CIFAR-10, CIFAR-100 or STL-10 (labelled splits) from torchvision's on-disk format.
+    """Load CIFAR-10, CIFAR-100 or STL-10 (labelled splits) from torchvision's on-disk format, through torchvision
+    (``load_dataset`` reads STL-10 with ``load_stl10`` instead: its unlabelled split, memory-mapped, no checksums).
 
     ``root`` is the folder torchvision reads (default ``~/.cache/fedssl/data``). Missing files,
     or a failed download (this project often runs without network), raise ``FileNotFoundError``
@@ -418,6 +421,276 @@ def load_torchvision(name: str, root: str | Path | None = None, download: bool =
             f"Pass an .npz file with x_train/y_train/x_test/y_test (dataset 'npz' or path=...), "
             f"or place the torchvision {name} files under {root_path}."
         ) from err
+
+
+# --------------------------------------------------------------------------------------------------
+# STL-10's binary files
+# --------------------------------------------------------------------------------------------------
+
+# data.stl10_split: the training images. The labelled train/test splits are always the evaluation's.
+STL10_SPLITS = ("train", "unlabeled", "train+unlabeled")
+STL10_FOLDER = "stl10_binary"  # the folder stl10_binary.tar.gz unpacks to
+STL10_SIDE = 96
+STL10_CLASSES = 10
+_STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
+_STL10_IMAGE_FILES = {
+    "train": ("train_X.bin",),
+    "test": ("test_X.bin",),
+    "unlabeled": ("unlabeled_X.bin",),
+    "train+unlabeled": ("train_X.bin", "unlabeled_X.bin"),
+}
+_STL10_LABEL_FILES = {"train": "train_y.bin", "test": "test_y.bin"}
+# Bumped whenever the decoded layout changes: older cache entries are then never served.
+_STL10_CACHE_FORMAT = 1
+_STL10_CHUNK = 1000  # images transposed at a time while decoding (28 MB): memory stays flat for the 2.7 GB split
+_STL10_PROGRESS_EVERY = 20000  # images between two progress lines of a decode
+
+Log = Callable[[str], None]
+
+
+def stl10_folder(root: str | Path | None) -> Path:
+    """The ``stl10_binary`` folder of ``root`` (default ``~/.cache/fedssl/data``): ``root/stl10_binary``, or
+    ``root`` itself when it is that folder (holds ``train_X.bin`` or carries its name). Resolved; it may not exist."""
+    base = Path(root if root else DEFAULT_TORCHVISION_ROOT).expanduser()
+    if (base / STL10_FOLDER).is_dir():
+        return (base / STL10_FOLDER).resolve()
+    if base.name == STL10_FOLDER or (base / "train_X.bin").is_file():
+        return base.resolve()
+    return (base / STL10_FOLDER).resolve()
+
+
+def _stl10_files_needed(split: str) -> tuple[str, ...]:
+    """The files of ``stl10_folder`` that loading ``split`` reads (a labelled split reads the test part too)."""
+    if split == "train":
+        return ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
+    return _STL10_IMAGE_FILES[split]
+
+
+def _stl10_signature(folder: Path, names: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime) of each file: an edited or replaced file is read again."""
+    stats = [(name, (folder / name).stat()) for name in names]
+    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+def _missing_stl10(folder: Path, split: str) -> FileNotFoundError:
+    missing = [name for name in _stl10_files_needed(split) if not (folder / name).is_file()]
+    return FileNotFoundError(
+        f"could not load stl10 (data.stl10_split {split}) from {folder}: {', '.join(missing)} missing. Place "
+        f"STL-10's binary files there (the {STL10_FOLDER}/ folder of stl10_binary.tar.gz: train_X.bin, train_y.bin, "
+        "test_X.bin, test_y.bin, unlabeled_X.bin) and give data.path its parent (or the folder itself), set "
+        "data.download: true, or pass an .npz file with x_train/y_train/x_test/y_test (data.path)."
+    )
+
+
+def _download_stl10(folder: Path) -> None:
+    """torchvision's download of stl10_binary.tar.gz (2.6 GB) into ``folder``'s parent; failures are
+    FileNotFoundError like missing files (this project often runs without network)."""
+    from torchvision import datasets  # deferred: only a download needs torchvision
+
+    try:
+        datasets.STL10(str(folder.parent), split="train", download=True)
+    except (RuntimeError, OSError) as err:  # URLError is an OSError
+        raise FileNotFoundError(f"could not download stl10 into {folder.parent}: {err}") from err
+
+
+def _stl10_image_count(file: Path) -> int:
+    size = file.stat().st_size
+    if size == 0 or size % _STL10_IMAGE_BYTES:
+        raise ValueError(
+            f"STL-10 file {file} holds {size} bytes, not a whole number of 96x96x3 images ({_STL10_IMAGE_BYTES} bytes "
+            "each): a truncated copy? Unpack stl10_binary.tar.gz again"
+        )
+    return size // _STL10_IMAGE_BYTES
+
+
+def _stl10_labels(file: Path, count: int) -> np.ndarray:
+    """The labels of ``file`` (one byte per image, 1..10) as int64 0..9."""
+    raw = np.fromfile(file, dtype=np.uint8)
+    if raw.shape[0] != count:
+        raise ValueError(f"STL-10 file {file} holds {raw.shape[0]} labels but its images file holds {count} images")
+    if raw.size and (raw.min() < 1 or raw.max() > STL10_CLASSES):
+        raise ValueError(f"STL-10 file {file} holds labels {raw.min()}..{raw.max()}; STL-10's are 1..{STL10_CLASSES}")
+    return raw.astype(np.int64) - 1
+
+
+def _stl10_class_names(folder: Path) -> tuple[str, ...]:
+    try:
+        names = [line.strip() for line in (folder / "class_names.txt").read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return ()
+    return tuple(names) if len(names) == STL10_CLASSES else ()
+
+
+def _stl10_identity(folder: Path, names: Sequence[str]) -> dict[str, Any]:
+    files = [
+        {"path": str(folder / name), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        for name, stat in ((name, (folder / name).stat()) for name in names)
+    ]
+    return {"source": "stl10", "format": _STL10_CACHE_FORMAT, "files": files}
+
+
+def _read_stl10_entry(entry: Path, identity: dict[str, Any], count: int) -> np.ndarray | None:
+    """The memory-mapped NHWC images of a complete entry of exactly these file versions, or None."""
+    try:
+        if json.loads((entry / "complete.json").read_text()) != identity:
+            return None
+        images = np.load(entry / "x.npy", mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return images if images.shape == (count, STL10_SIDE, STL10_SIDE, 3) and images.dtype == np.uint8 else None
+
+
+def _write_stl10_nhwc(sources: Sequence[Path], target: Path, count: int, log: Log | None) -> None:
+    """Concatenate the images of ``sources`` into ``target`` (an NHWC uint8 .npy), streaming.
+
+    STL-10 stores each image as 3 planes of 96x96 bytes written column by column, so a raw image read as (3, 96, 96)
+    is (channel, x, y): its NHWC form is the transpose (y, x, channel), the orientation torchvision's STL10 shows
+    (its ``data`` swaps the last two axes, its ``__getitem__`` then moves the channels last)."""
+    out = np.lib.format.open_memmap(target, mode="w+", dtype=np.uint8, shape=(count, STL10_SIDE, STL10_SIDE, 3))
+    row = 0
+    for source in sources:
+        raw = np.memmap(source, dtype=np.uint8, mode="r").reshape(-1, 3, STL10_SIDE, STL10_SIDE)
+        for start in range(0, raw.shape[0], _STL10_CHUNK):
+            chunk = raw[start : start + _STL10_CHUNK]
+            out[row : row + len(chunk)] = chunk.transpose(0, 3, 2, 1)
+            row += len(chunk)
+            if log is not None and row % _STL10_PROGRESS_EVERY < _STL10_CHUNK and row < count:
+                log(f"decoding STL-10 {source.name}: {row}/{count} images")
+        del raw
+    out.flush()
+    del out
+
+
+def _stl10_images(folder: Path, split: str, log: Log | None) -> np.ndarray:
+    """The images of one split (``_STL10_IMAGE_FILES``) as a read-only, memory-mapped NHWC uint8 array.
+
+    Decoded once into the decoded cache (``decoded_cache_root``: an ``stl10-<key>`` entry keyed on the files' paths,
+    sizes and modification times), written to a temporary folder and renamed (a process never sees a partial entry);
+    later loads, in any process, map it. The cache off: decoded into a temporary folder removed once mapped."""
+    names = _STL10_IMAGE_FILES[split]
+    sources = [folder / name for name in names]
+    count = sum(_stl10_image_count(source) for source in sources)
+    identity = _stl10_identity(folder, names)
+    root = decoded_cache_root()
+    entry = None
+    if root is not None:
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+        entry = root / f"stl10-{key}"
+        cached = _read_stl10_entry(entry, identity, count)
+        if cached is not None:
+            return cached
+    work = None
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+        except OSError:
+            entry = None  # an unwritable cache folder: decode as without one
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix="fedssl-stl10-"))
+    try:
+        needed = count * _STL10_IMAGE_BYTES
+        free = shutil.disk_usage(work).free
+        if free < needed:
+            raise OSError(
+                f"STL-10 {split} ({count} images) needs {needed / 2**20:.0f} MiB decoded but {work.parent} has "
+                f"{free / 2**20:.0f} MiB free; point {DECODED_CACHE_VARIABLE} to a folder with room"
+            )
+        if log is not None:
+            log(f"decoding STL-10 {split}: {count} images from {folder} into {work.parent}")
+        _write_stl10_nhwc(sources, work / "x.npy", count, log)
+        (work / "complete.json").write_text(json.dumps(identity))
+        if entry is not None:
+            if entry.exists() and _read_stl10_entry(entry, identity, count) is None:
+                shutil.rmtree(entry, ignore_errors=True)  # a broken entry: never served
+            try:
+                os.replace(work, entry)
+            except OSError:
+                pass  # another process (a simulated client, the server) published the same files first
+            images = _read_stl10_entry(entry, identity, count)
+            if images is not None:
+                _remove_stale_stl10_entries(entry, identity)
+                return images
+        images = _read_stl10_entry(work, identity, count)
+        if images is None:
+            raise OSError(f"STL-10 {split}: the decoded images written to {work} cannot be read back")
+        return images
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)  # what is mapped stays readable
+
+
+def _remove_stale_stl10_entries(keep: Path, identity: dict[str, Any]) -> None:
+    """Remove the entries of older versions of the same files (same paths, another size or time)."""
+    paths = [f["path"] for f in identity["files"]]
+    for other in keep.parent.iterdir():
+        if other == keep or not other.name.startswith("stl10-") or not other.is_dir():
+            continue
+        try:
+            metadata = json.loads((other / "complete.json").read_text())
+            if [f["path"] for f in metadata["files"]] == paths:
+                shutil.rmtree(other, ignore_errors=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+
+# (folder, split, the files' sizes and times) -> the split read in this process (its images stay on disk, mapped).
+_STL10_LOADED: dict[tuple[str, str, tuple[tuple[str, int, int], ...]], ImageData] = {}
+
+
+def clear_stl10_cache() -> None:
+    """Forget the STL-10 splits read in this process (their decoded files on disk stay)."""
+    _STL10_LOADED.clear()
+
+
+def _read_stl10(folder: Path, split: str, log: Log | None) -> ImageData:
+    source = f"STL-10 files in {folder}"
+    if split != "train":
+        images = _stl10_images(folder, split, log)
+        # train+unlabeled: the train part's labels cover 5 % of the images; the set is used unlabelled as a whole
+        # (the papers' pre-training), and the labelled train/test splits are the evaluation's (load_eval_data).
+        no_labels = np.zeros(0, np.int64)
+        return _build_image_data(images, no_labels, images[:0], no_labels, "stl10", source, labelled=False)
+    x_train = _stl10_images(folder, "train", log)
+    x_test = _stl10_images(folder, "test", log)
+    y_train = _stl10_labels(folder / _STL10_LABEL_FILES["train"], len(x_train))
+    y_test = _stl10_labels(folder / _STL10_LABEL_FILES["test"], len(x_test))
+    data = _build_image_data(x_train, y_train, x_test, y_test, "stl10", source, num_classes=STL10_CLASSES)
+    return dataclasses.replace(data, class_names=_stl10_class_names(folder))
+
+
+def load_stl10(
+    root: str | Path | None = None, split: str = "train", download: bool = False, log: Log | None = None
+) -> ImageData:
+    """STL-10 from its own binary files, read with numpy (no torchvision, no checksum of the 2.7 GB file).
+
+    ``root`` is the folder holding ``stl10_binary/`` or that folder itself (default ``~/.cache/fedssl/data``).
+    ``split`` (``data.stl10_split``) chooses the training images: ``train`` is the labelled 5 000 training images
+    with the 8 000 test images as the test part (labels 1..10 on disk, 0..9 here, ``class_names`` from
+    class_names.txt); ``unlabeled`` is the 100 000 unlabelled images and ``train+unlabeled`` the 105 000 of both
+    (the papers' pre-training set), read as an unlabelled set (``labelled`` false, no test part: the evaluation reads
+    the labelled ``train`` split).
+
+    Images are NHWC uint8 in torchvision's orientation, memory-mapped from the decoded cache (see ``_stl10_images``):
+    the first load of a split writes it (2.9 GB for train+unlabeled), every later one maps it. ``download`` lets
+    torchvision fetch the archive when files are missing. Missing files are a FileNotFoundError naming them."""
+    if split not in STL10_SPLITS:
+        raise ValueError(f"split must be one of {list(STL10_SPLITS)}, got {split!r}")
+    folder = stl10_folder(root)
+    needed = _stl10_files_needed(split)
+    if download and not all((folder / name).is_file() for name in needed):
+        _download_stl10(folder)
+    if not all((folder / name).is_file() for name in needed):
+        raise _missing_stl10(folder, split)
+    # Simulated clients share a process and load the data every round: read each split version once.
+    key = (str(folder), split, _stl10_signature(folder, needed))
+    data = _STL10_LOADED.get(key)
+    if data is None:
+        data = _read_stl10(folder, split, log)
+        while len(_STL10_LOADED) >= _CACHE_SIZE:
+            _STL10_LOADED.pop(next(iter(_STL10_LOADED)))
+        _STL10_LOADED[key] = data
+    return dataclasses.replace(data)  # callers may rename or relabel their copy, never the cached one
 
 
 # --------------------------------------------------------------------------------------------------
@@ -510,6 +783,8 @@ def load_dataset(
     seed: int = 0,
     synthetic_sizes: Sequence[int] = (600, 200, 10),
     folder_options: Mapping[str, Any] | None = None,
+    stl10_split: str = "train",
+    log: Log | None = None,
 ) -> ImageData:
     """Load a data set by name: ``cifar10``, ``cifar100``, ``stl10``, ``npz``, ``folder`` or ``synthetic``.
 
@@ -517,8 +792,10 @@ def load_dataset(
     * ``folder``: ``path`` names a folder of images (``ssl_models.data.folder.load_folder``, with
       ``folder_options``: ``image_size``, ``labels``, ``unreadable``).
     * ``cifar10`` / ``cifar100`` / ``stl10``: if ``path`` is an existing file it is read as an
-      ``.npz`` export of that data set (e.g. the CIFAR-10 dev copy); otherwise torchvision's files
-      are read from ``root`` (or from ``path`` when it is a folder; default ``~/.cache/fedssl/data``).
+      ``.npz`` export of that data set (e.g. the CIFAR-10 dev copy); otherwise the data set's own files
+      are read from ``root`` (or from ``path`` when it is a folder; default ``~/.cache/fedssl/data``):
+      torchvision's CIFAR folders, STL-10's ``stl10_binary/`` (``load_stl10`` with ``stl10_split``; ``log`` hears
+      its first decode).
     * ``synthetic``: ``synthetic_sizes = (num_train, num_test, num_classes[, image_size])`` and
       ``seed`` drive ``synthetic_dataset``.
     """
@@ -537,12 +814,21 @@ def load_dataset(
         from .folder import load_folder
 
         return load_folder(path, **dict(folder_options or {}))
+    if name == "stl10" and stl10_split not in STL10_SPLITS:
+        raise ValueError(f"stl10_split must be one of {list(STL10_SPLITS)}, got {stl10_split!r}")
     if path and Path(path).expanduser().is_file():
+        if name == "stl10" and stl10_split != "train":
+            raise ValueError(
+                f"data.stl10_split {stl10_split} reads STL-10's binary files, but data.path {path} is a file; give "
+                "the folder holding stl10_binary/, or an .npz of the unlabelled images (x_train alone) as dataset npz"
+            )
         return load_npz(path, name=name, num_classes=TORCHVISION_DATASETS[name])
     if path and root is None:
         if Path(path).suffix == ".npz":
             raise FileNotFoundError(f"npz data file not found: {path}")
         root = path
+    if name == "stl10":
+        return load_stl10(root, stl10_split, download, log)
     return load_torchvision(name, root, download)
 
 

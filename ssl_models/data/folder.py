@@ -4,7 +4,8 @@
 ``uint8`` ``.npy`` file in the decoded cache that ``.npz`` files use (``$FEDSSL_DATA_CACHE``, default
 ``~/.cache/fedssl/decoded``; see ``ssl_models.data.datasets.decoded_cache_root``). Every later load, in this process,
 another client's process or a later run, memory-maps that file, so a process's memory does not grow with the folder.
-This module never imports flwr.
+``load_annotated_folder`` reads a folder whose labels an annotations file gives instead (Tiny-ImageNet's val/ and
+its val_annotations.txt) through the same cache. This module never imports flwr.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import struct
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -161,12 +162,16 @@ def _short_list(names: Sequence[str], shown: int = 5) -> str:
     return f"{listed}, ... ({len(names)} in all)" if len(names) > shown else listed
 
 
-def _content_key(resolved: str, files: Sequence[_ImageFile], image_size: int, labels: str) -> str:
+def _content_key(
+    resolved: str, files: Sequence[_ImageFile], image_size: int, labels: str, labels_digest: str = ""
+) -> str:
     """A sha256 of what decides the decoded arrays: the folder, each image's relative path, size and modification
-    time, the side and the label mode (not ``unreadable``: an entry records its unreadable files and serves both)."""
-    digest = hashlib.sha256(
-        json.dumps({"format": CACHE_FORMAT, "path": resolved, "image_size": image_size, "labels": labels}).encode()
-    )
+    time, the side and the label mode (not ``unreadable``: an entry records its unreadable files and serves both),
+    and ``labels_digest``, a digest of labels read from elsewhere (an annotations file's content)."""
+    described = {"format": CACHE_FORMAT, "path": resolved, "image_size": image_size, "labels": labels}
+    if labels_digest:
+        described["labels_digest"] = labels_digest
+    digest = hashlib.sha256(json.dumps(described).encode())
     for f in files:
         digest.update(f"{f.relative_path}\0{f.size}\0{f.mtime_ns}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:32]
@@ -446,28 +451,54 @@ def load_folder(
     every 5000 images); the entry of its older version is removed. ``x_train`` is that file memory-mapped read-only;
     the result is also kept per process (listing the folder, one ``stat`` per file, still tells whether it changed).
     """
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        raise ValueError(f"image_size must be an integer >= 1 (the side of the square images), got {image_size!r}")
+    _check_options(image_size, unreadable)
     if labels not in LABEL_MODES:
         raise ValueError(f"labels must be one of {list(LABEL_MODES)}, got {labels!r}")
+    resolved, files = _listed_folder(path)
+    source = f"image folder {resolved}"
+    layout = _layout(files, labels, source)
+    key = _content_key(str(resolved), files, image_size, labels)
+    return _load_listed(resolved, files, layout, key, image_size, labels, unreadable, log, every_class=True)
+
+
+def _check_options(image_size: int, unreadable: str) -> None:
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be an integer >= 1 (the side of the square images), got {image_size!r}")
     if unreadable not in UNREADABLE_MODES:
         raise ValueError(f"unreadable must be one of {list(UNREADABLE_MODES)}, got {unreadable!r}")
+
+
+def _listed_folder(path: str | Path) -> tuple[Path, list[_ImageFile]]:
+    """The resolved folder and its image files; an error when it is missing, a file, or holds no image."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise FileNotFoundError(f"image folder not found: {folder} (resolved to {folder.resolve()})")
     if not folder.is_dir():
         raise ValueError(f"image folder {folder} is a file, not a folder; data.path must name a folder of images")
     resolved = folder.resolve()
-    source = f"image folder {resolved}"
     files, others = _list_images(resolved)
     if not files:
         found = f"; it holds {len(others)} other file(s), e.g. {_short_list(others, 3)}" if others else " (it is empty)"
         raise ValueError(
-            f"{source}: no image files found (extensions {_extensions_hint()}; names starting with '.' are "
-            f"ignored){found}"
+            f"image folder {resolved}: no image files found (extensions {_extensions_hint()}; names starting with "
+            f"'.' are ignored){found}"
         )
-    layout = _layout(files, labels, source)
-    key = _content_key(str(resolved), files, image_size, labels)
+    return resolved, files
+
+
+def _load_listed(
+    resolved: Path,
+    files: Sequence[_ImageFile],
+    layout: _Layout,
+    key: str,
+    image_size: int,
+    labels: str,
+    unreadable: str,
+    log: Log | None,
+    every_class: bool,
+) -> ImageData:
+    """The listed folder's images: from this process's memory, else the cache entry ``key``, else decoded into it."""
+    source = f"image folder {resolved}"
     memory_key = (str(resolved), key, unreadable)
     loaded = _LOADED.get(memory_key)
     if loaded is not None:
@@ -479,17 +510,101 @@ def load_folder(
     stored = _read_entry(entry, identity) if entry is not None else None
     if stored is None:
         stored = _decode_to_disk(resolved, files, layout, identity, entry, log, source)
-    data = _image_data(stored, resolved, unreadable, log, source)
+    data = _image_data(stored, resolved, unreadable, log, source, every_class)
     _LOADED[memory_key] = data
     while len(_LOADED) > _MEMORY_CACHE_SIZE:
         _LOADED.popitem(last=False)
     return dataclasses.replace(data)
 
 
-def _image_data(
-    stored: tuple[dict[str, Any], np.ndarray, np.ndarray], root: Path, unreadable: str, log: Log | None, source: str
+# --------------------------------------------------------------------------------------------------
+# A flat folder labelled by an annotations file (Tiny-ImageNet's val/)
+# --------------------------------------------------------------------------------------------------
+
+
+ANNOTATIONS_FILE = "val_annotations.txt"  # Tiny-ImageNet's val/ labels: file name, class (wnid), bounding box
+
+
+def read_annotations(path: str | Path) -> dict[str, str]:
+    """File name -> class name, from a tab-separated annotations file whose first two fields are a file name and its
+    class (Tiny-ImageNet's val_annotations.txt: ``val_0.JPEG<TAB>n03444034<TAB>0<TAB>32<TAB>44<TAB>62``; the
+    bounding box is ignored). Blank lines are skipped; a line with fewer fields, or a file given two classes, is a
+    ValueError naming the line."""
+    annotations: dict[str, str] = {}
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = [field.strip() for field in line.split("\t")]
+        if len(fields) < 2 or not fields[0] or not fields[1]:
+            raise ValueError(
+                f"{path}, line {number}: expected a file name and its class separated by a tab, got {line[:80]!r}"
+            )
+        name, class_name = fields[0], fields[1]
+        if annotations.setdefault(name, class_name) != class_name:
+            raise ValueError(
+                f"{path}, line {number}: {name} is given the class {class_name} but an earlier line gives it "
+                f"{annotations[name]}"
+            )
+    return annotations
+
+
+def load_annotated_folder(
+    path: str | Path,
+    annotations: Mapping[str, str],
+    class_names: Sequence[str],
+    *,
+    image_size: int,
+    unreadable: str = "stop",
+    log: Log | None = None,
 ) -> ImageData:
-    """The ``ImageData`` of a decoded entry, after the checks that depend on ``unreadable``."""
+    """Load a folder of images whose classes an annotations mapping gives (``read_annotations``), as the training
+    part of a labelled ``ImageData``: Tiny-ImageNet's ``val/images`` with its ``val_annotations.txt``.
+
+    ``annotations`` maps each image's path relative to ``path`` (POSIX form; a flat folder: its file name) to its
+    class name; ``class_names`` numbers the classes 0..K-1 (the training part's, so that both parts number them
+    alike) and is the result's ``class_names``; a class may have no image here. An image without an annotation, or
+    annotated with a class ``class_names`` lacks, is a ValueError naming the first few; annotations of files that
+    are not in the folder are ignored. Files, decoding, ``unreadable`` and the cache are ``load_folder``'s; the cache
+    entry's key also covers the annotations and class names, so an edited annotations file is decoded again."""
+    _check_options(image_size, unreadable)
+    names = tuple(str(name) for name in class_names)
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"class_names must be distinct and not empty, got {_short_list(names)!r}")
+    resolved, files = _listed_folder(path)
+    source = f"image folder {resolved}"
+    unannotated = [f.relative_path for f in files if f.relative_path not in annotations]
+    if unannotated:
+        raise ValueError(
+            f"{source}: {len(unannotated)} of its {len(files)} images have no line in the annotations (the first: "
+            f"{_short_list(unannotated)}); the annotations name files by their path in the folder"
+        )
+    class_id = {name: index for index, name in enumerate(names)}
+    unknown = sorted({annotations[f.relative_path] for f in files} - set(class_id))
+    if unknown:
+        raise ValueError(
+            f"{source}: the annotations give classes the training part lacks: {_short_list(unknown)} (its classes: "
+            f"{_short_list(names)})"
+        )
+    layout = _Layout(True, names, tuple(class_id[annotations[f.relative_path]] for f in files))
+    # The labels come from outside the files: their content is part of what the decoded entry holds.
+    labels_digest = hashlib.sha256(
+        json.dumps({"classes": list(names), "of_file": layout.class_of_file}).encode()
+    ).hexdigest()
+    key = _content_key(str(resolved), files, image_size, "annotations", labels_digest)
+    return _load_listed(resolved, files, layout, key, image_size, "annotations", unreadable, log, every_class=False)
+
+
+def _image_data(
+    stored: tuple[dict[str, Any], np.ndarray, np.ndarray],
+    root: Path,
+    unreadable: str,
+    log: Log | None,
+    source: str,
+    every_class: bool = True,
+) -> ImageData:
+    """The ``ImageData`` of a decoded entry, after the checks that depend on ``unreadable``. ``every_class``: each
+    class must keep a readable image (a folder's class subfolders; not an annotated folder, whose classes are
+    another folder's and may be absent from it)."""
     metadata, images, labels = stored
     skipped = metadata["unreadable"]
     if skipped and unreadable == "stop":
@@ -500,7 +615,7 @@ def _image_data(
     if skipped and log is not None:
         log(f"{source}: skipping {len(skipped)} unreadable image file(s): {_name_files(skipped)}")
     class_names = tuple(metadata["class_names"])
-    if metadata["labelled"]:
+    if metadata["labelled"] and every_class:
         counts = np.bincount(labels, minlength=len(class_names))
         empty = [name for name, count in zip(class_names, counts, strict=True) if count == 0]
         if empty:

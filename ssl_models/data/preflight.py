@@ -142,9 +142,10 @@ def check_experiment_data(cfg: ExperimentConfig, log: Callable[[str], None] | No
     if weights and log is not None:
         log(weights)
     try:
-        eval_data = load_eval_data(cfg) if cfg.eval.path else (data if data.labelled else None)
+        # Unlabelled training data may still have a labelled set of its own to be scored on (STL-10's train/test).
+        eval_data = load_eval_data(cfg) if cfg.eval.path or not data.labelled else data
     except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"eval.path: {exc}") from None
+        raise ConfigError(f"{'eval.path' if cfg.eval.path else _data_key(cfg)}: {exc}") from None
     if eval_data is None:
         empty = np.zeros(0, np.int64)
         return CheckedData(data, split, None, empty, empty)

@@ -9,6 +9,7 @@ config travels, never index lists. Order of operations, fixed so that results ar
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ def load_experiment_data(
             "unreadable": d.unreadable,
             "log": log,
         },
+        stl10_split=d.stl10_split,
+        log=log,
     )
 
 
@@ -144,14 +147,24 @@ EVAL_TEST_FOLDERS = ("test", "val")  # an eval.path folder's scored part: the fi
 
 def load_eval_data(cfg: ExperimentConfig) -> ImageData | None:
     """The labelled set the encoder is scored on: ``eval.path`` when given (an .npz with its four arrays, or a
-    folder with ``train/`` and ``test/`` or ``val/`` subfolders of one subfolder per class, brought to the run's image
-    side), else the training data set when it is labelled, else None (nothing to score against)."""
+    folder with ``train/`` and ``test/`` or ``val/`` subfolders, brought to the run's image side), else the training
+    data set when it is labelled, else STL-10's labelled train/test splits when the training images are its
+    unlabelled ones (``data.stl10_split``), else None (nothing to score against).
+
+    An eval.path folder's ``train/`` holds one subfolder per class; its scored part is ``test/`` (else ``val/``)
+    laid out the same way, or a folder labelled by a ``val_annotations.txt`` beside its images (Tiny-ImageNet's
+    ``val/``: ``images/`` and the annotations file), which is then preferred (Tiny-ImageNet's ``test/`` has no
+    labels). The scored part's class ids are the train part's."""
     from pathlib import Path
 
     from ssl_models.data.datasets import _build_image_data, load_npz
 
     path = cfg.eval.path
     if not path:
+        d = cfg.data
+        if d.dataset == "stl10" and d.stl10_split != "train":
+            # Pre-trained on unlabelled images, scored as the papers score it: on the labelled train/test splits.
+            return load_dataset("stl10", path=d.path or None, download=d.download, stl10_split="train")
         data = load_experiment_data(cfg)
         return data if data.labelled else None
     where = Path(path).expanduser()
@@ -164,29 +177,41 @@ def load_eval_data(cfg: ExperimentConfig) -> ImageData | None:
         return data
     if not where.is_dir():
         raise FileNotFoundError(f"{where} does not exist (resolved to {where.resolve()})")
-    from ssl_models.data.folder import load_folder
+    from ssl_models.data.folder import ANNOTATIONS_FILE, load_annotated_folder, load_folder, read_annotations
 
-    test_dir = next((where / name for name in EVAL_TEST_FOLDERS if (where / name).is_dir()), None)
+    annotated = [where / name for name in EVAL_TEST_FOLDERS if (where / name / ANNOTATIONS_FILE).is_file()]
+    test_dir = annotated[0] if annotated else None
+    test_dir = test_dir or next((where / name for name in EVAL_TEST_FOLDERS if (where / name).is_dir()), None)
     if not (where / "train").is_dir() or test_dir is None:
         raise ValueError(
-            f"{where} must hold a train/ folder and a test/ (or val/) folder, each with one subfolder per class"
+            f"{where} must hold a train/ folder and a test/ (or val/) folder, each with one subfolder per class "
+            f"(or, for the second, its images with a {ANNOTATIONS_FILE})"
         )
     side = cfg.image_side()
-    options: dict[str, Any] = {"image_size": side, "labels": "subfolders", "unreadable": cfg.data.unreadable}
-    train, test = load_folder(where / "train", **options), load_folder(test_dir, **options)
-    train_names = list(getattr(train, "class_names", []) or [])
-    test_names = list(getattr(test, "class_names", []) or [])
-    unknown = sorted(set(test_names) - set(train_names))
-    if unknown:
-        raise ValueError(f"{test_dir} has classes that {where / 'train'} lacks: {unknown[:5]}")
-    # the test part's class ids as the train part numbers them (a test folder may lack a class)
-    to_train_id = np.array([train_names.index(n) for n in test_names], dtype=np.int64)
-    return _build_image_data(
+    options: dict[str, Any] = {"image_size": side, "unreadable": cfg.data.unreadable}
+    train = load_folder(where / "train", labels="subfolders", **options)
+    train_names = list(train.class_names)
+    if annotated:
+        images_dir = test_dir / "images" if (test_dir / "images").is_dir() else test_dir
+        annotations = read_annotations(test_dir / ANNOTATIONS_FILE)
+        test = load_annotated_folder(images_dir, annotations, train_names, **options)
+        test_labels = test.y_train  # already numbered by train_names
+    else:
+        test = load_folder(test_dir, labels="subfolders", **options)
+        test_names = list(test.class_names)
+        unknown = sorted(set(test_names) - set(train_names))
+        if unknown:
+            raise ValueError(f"{test_dir} has classes that {where / 'train'} lacks: {unknown[:5]}")
+        # the test part's class ids as the train part numbers them (a test folder may lack a class)
+        to_train_id = np.array([train_names.index(n) for n in test_names], dtype=np.int64)
+        test_labels = to_train_id[test.y_train]
+    data = _build_image_data(
         train.x_train,
         train.y_train,
         test.x_train,
-        to_train_id[test.y_train],
+        test_labels,
         name=where.name,
         source=f"eval.path {where}",
         num_classes=len(train_names),
     )
+    return dataclasses.replace(data, class_names=tuple(train_names))

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ssl_models.config import CIFAR_STEM_MAX_SIDE, npz_image_side
 from ssl_models.data.datasets import ImageData, load_npz, subsample
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
 from ssl_models.evaluation.protocol import (
@@ -126,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=1.0,
         help="channel width multiplier of --random-init (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stem",
+        choices=("auto", "cifar", "imagenet"),
+        default="auto",
+        help="--random-init of a ResNet: its stem (default auto: cifar for images up to 64 px, imagenet above, as "
+        "model.stem: auto chooses for a run)",
     )
     parser.add_argument(
         "--init-seed", type=int, default=None, help="torch seed of --random-init's weights (default: the protocol seed)"
@@ -330,9 +338,12 @@ def _random_init_model(
         raise UsageError(f"--input-std: every value must be > 0, got {args.input_std}")
     normalization = None if args.input_mean is None else (args.input_mean, args.input_std)
     init_seed = seed if args.init_seed is None else args.init_seed
+    # the images' side shapes the encoder as it shaped the run's: a ResNet's stem (auto), a ViT's patch size
+    side = npz_image_side(str(Path(args.data).expanduser().resolve())) if args.data else 32
+    stem = args.stem if args.stem != "auto" else ("cifar" if side <= CIFAR_STEM_MAX_SIDE else "imagenet")
     torch.manual_seed(init_seed)
     try:
-        backbone, feature_dim = build_backbone(args.random_init, args.width, normalization)
+        backbone, feature_dim = build_backbone(args.random_init, args.width, normalization, stem=stem, image_size=side)
     except ValueError as error:
         raise UsageError(f"--random-init: {error}") from error
     backbone.to(device).eval()

@@ -1,0 +1,41 @@
+"""Images memory-mapped from the decoded cache (a folder, a node's own data) train a batch at a time: the training
+loop never reads more rows of the mapped file at once than a batch, and the run trains as an in-memory one does."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ssl_models.config import ExperimentConfig
+from ssl_models.factory import build_ssl_model
+from ssl_models.training import train_ssl
+
+
+class CountingMemmap(np.memmap):
+    """A memory-mapped array that records how many rows each read asked for."""
+
+    reads: ClassVar[list[int]] = []
+
+    def __getitem__(self, index):
+        if isinstance(index, np.ndarray):
+            CountingMemmap.reads.append(len(index))
+        return super().__getitem__(index)
+
+
+def test_memory_mapped_images_are_read_a_batch_at_a_time(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, size=(40, 16, 16, 3), dtype=np.uint8)
+    path = tmp_path / "x.npy"
+    np.save(path, images)
+    mapped = np.load(path, mmap_mode="r").view(CountingMemmap)
+    cfg = ExperimentConfig.from_dict(
+        {"model": {"arch": "resnet18", "width": 0.125}, "method": {"name": "simclr", "options": {"proj_out_dim": 8}}}
+    )
+    common = {"epochs": 2, "batch_size": 8, "lr": 1e-3, "optimizer": "adam", "seed": 0, "fast_path": False}
+    CountingMemmap.reads = []
+    streamed = train_ssl(build_ssl_model(cfg, seed=0), mapped, **common)
+    assert CountingMemmap.reads == [8] * 10  # 5 batches per epoch, 2 epochs, never the whole file
+    in_memory = train_ssl(build_ssl_model(cfg, seed=0), images, **common)
+    assert streamed.steps == in_memory.steps == 10
+    assert np.isfinite(streamed.loss) and torch.isfinite(torch.tensor(in_memory.loss))
