@@ -67,7 +67,14 @@ def test_the_own_images_recipe_runs_as_written(tmp_path):
     env["FEDSSL_DATA_CACHE"] = str(tmp_path / "cache")
     try:
         proc = subprocess.run(
-            [str(Path(sys.executable).parent / "fedssl-run"), *args[1:-1], run_config],
+            # fedssl-run, as this Python runs it (its console script may live elsewhere than this interpreter)
+            [
+                sys.executable,
+                "-c",
+                "from fedssl_study.cli import run_main; raise SystemExit(run_main())",
+                *args[1:-1],
+                run_config,
+            ],
             cwd=REPO,
             env=env,
             capture_output=True,
