@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,11 +33,13 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     reason = namespaces_unavailable()
     if reason:
         skip_unless_required(f"Ray cluster test skipped: {reason}")
-    tmp = tmp_path_factory.mktemp("ray")
+    # A short folder of its own: Ray's sockets live under RAY_TMPDIR, and a Unix socket's path may not exceed 107
+    # bytes, which pytest's numbered base folder (pytest-of-<user>/pytest-<n>/...) overran once n had three digits.
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     net = Network(tag=f"r{os.getpid() % 10000}", spokes=["worker"], hub="head", net=215)
     head_ip, worker_ip = net.hub_ip("worker"), net.spoke_ip("worker")
     base = {
@@ -85,6 +89,7 @@ def cluster(tmp_path_factory):
             yield {"net": net, "env": env, "head_ip": head_ip, "worker_ip": worker_ip, "tmp": tmp}
         finally:
             kill_processes_with_env(MARKER, str(tmp))  # the Ray processes of both nodes, and the runs' SuperLinks
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cluster_run(c: dict, name: str, extra: str = "", wait: bool = True) -> tuple[Path, subprocess.Popen | None]:
