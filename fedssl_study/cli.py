@@ -288,7 +288,8 @@ def run_and_report_outcome(cmd: list[str], streamed: bool) -> int:
         return 0
     print(
         f"fedssl-run: run {run_id} ended {status or 'with an unknown status'} (flwr ls --run-id {run_id}); "
-        "its progress.log says why",
+        "why: the ServerApp's error above (a run refused before its first round has no output folder), or the last "
+        "line of the run's progress.log",
         file=sys.stderr,
     )
     return 1

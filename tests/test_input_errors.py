@@ -113,7 +113,8 @@ def test_fedssl_run_exits_as_the_run_ended(tmp_path, capsys, status, streamed, e
     assert "Successfully started run 4242" in out  # Flower's output passes through
     if expected:
         assert err.strip() == (
-            f"fedssl-run: run 4242 ended {status} (flwr ls --run-id 4242); its progress.log says why"
+            f"fedssl-run: run 4242 ended {status} (flwr ls --run-id 4242); why: the ServerApp's error above (a run "
+            "refused before its first round has no output folder), or the last line of the run's progress.log"
         )
     if streamed:  # the default connection: a run-config value is no connection name
         assert asked.read_text().split() == ["ls", "--run-id", "4242", "--format", "json"]
