@@ -14,7 +14,7 @@
 #
 # Layers, slowest first: torch (rebuilt only when the torch arguments change), then the other dependencies
 # from pyproject.toml (rebuilt when it changes; torch stays), then the folders the volumes mount on.
-ARG FLWR_VERSION=1.41.0
+ARG FLWR_VERSION=1.42.0
 FROM flwr/superexec:${FLWR_VERSION}
 
 ARG PIP_ARGS=""

@@ -191,6 +191,8 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        # The SuperLink and SuperNodes start their SuperExec from PATH: this environment's, not another one's.
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     from flwr_harness import free_port
 

@@ -1,6 +1,6 @@
 """Bytes of an ArrayRecord counted by hand, from names, shapes and dtypes (never with Flower's count_bytes).
 
-Flower 1.41 stores each array of a record as an ``.npy`` blob and counts, per array, the blob's length plus the
+Flower (1.41 and 1.42) stores each array of a record as an ``.npy`` blob and counts, per array, the blob's length plus the
 length of its key; the ``.npy`` header of the (at most 4-D) arrays here is 128 bytes (``tests/test_wire_bytes.py``
 checks that once against Flower). The app sends a state as one packed record (``fedssl_wire``): a ``manifest``
 array (utf-8 text, one ``name<TAB>dtype<TAB>shape`` line per array, lines joined by a newline) and a ``packed``
