@@ -416,6 +416,19 @@ def test_with_the_cache_off_the_images_are_still_memory_mapped(tmp_path, cache, 
     assert not cache.exists()
 
 
+def test_a_disk_without_room_for_the_decoded_images_is_named_and_keeps_nothing(tmp_path, cache, monkeypatch):
+    mixed_images(tmp_path / "photos", 3)
+    real = datasets.shutil.disk_usage
+    monkeypatch.setattr(datasets.shutil, "disk_usage", lambda p: real(p)._replace(free=3 * SIDE * SIDE * 3 - 1))
+    with pytest.raises(
+        OSError, match=r"its 3 images needs 0 MiB decoded but .* has 0 MiB free; point FEDSSL_DATA_CACHE"
+    ):
+        load_folder(tmp_path / "photos", image_size=SIDE)
+    assert not cache.exists() or not any(cache.rglob("*"))  # the temporary folder went too
+    monkeypatch.setattr(datasets.shutil, "disk_usage", lambda p: real(p)._replace(free=3 * SIDE * SIDE * 3))
+    assert load_folder(tmp_path / "photos", image_size=SIDE).x_train.shape[0] == 3  # exactly enough room
+
+
 def test_the_progress_log(tmp_path, monkeypatch):
     monkeypatch.setattr(folder, "_PROGRESS_EVERY", 4)
     mixed_images(tmp_path / "photos", 10)

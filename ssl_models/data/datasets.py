@@ -188,6 +188,33 @@ def decoded_cache_root() -> Path | None:
     return Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "fedssl" / "decoded"
 
 
+def decode_work_folder(
+    entry: Path | None, prefix: str, needed: int, what: str, hint: str = ""
+) -> tuple[Path, Path | None]:
+    """A new folder to decode ``what`` into, and the cache entry it will become (None: no usable cache folder).
+
+    The folder lies beside ``entry``, so that publishing it is one atomic rename; without a cache folder, or with
+    one that cannot be created, it is a private temporary folder and the entry is None. Refused, with the folder
+    removed, when its disk has less than ``needed`` bytes free (``hint``: what else would help)."""
+    work = None
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+        except OSError:
+            entry = None  # an unwritable cache folder: decode as without one
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix=prefix))
+    free = shutil.disk_usage(work).free
+    if free < needed:
+        shutil.rmtree(work, ignore_errors=True)
+        raise OSError(
+            f"{what} needs {needed / 2**20:.0f} MiB decoded but {work.parent} has {free / 2**20:.0f} MiB free; "
+            f"point {DECODED_CACHE_VARIABLE} to a folder with room{hint}"
+        )
+    return work, entry
+
+
 def _decoded_entry(resolved_path: str, mtime_ns: int, size_bytes: int) -> Path | None:
     root = decoded_cache_root()
     if root is None:
@@ -579,23 +606,10 @@ def _stl10_images(folder: Path, split: str, log: Log | None) -> np.ndarray:
         cached = _read_stl10_entry(entry, identity, count)
         if cached is not None:
             return cached
-    work = None
-    if entry is not None:
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
-        except OSError:
-            entry = None  # an unwritable cache folder: decode as without one
-    if work is None:
-        work = Path(tempfile.mkdtemp(prefix="fedssl-stl10-"))
+    work, entry = decode_work_folder(
+        entry, "fedssl-stl10-", count * _STL10_IMAGE_BYTES, f"STL-10 {split} ({count} images)"
+    )
     try:
-        needed = count * _STL10_IMAGE_BYTES
-        free = shutil.disk_usage(work).free
-        if free < needed:
-            raise OSError(
-                f"STL-10 {split} ({count} images) needs {needed / 2**20:.0f} MiB decoded but {work.parent} has "
-                f"{free / 2**20:.0f} MiB free; point {DECODED_CACHE_VARIABLE} to a folder with room"
-            )
         if log is not None:
             log(f"decoding STL-10 {split}: {count} images from {folder} into {work.parent}")
         _write_stl10_nhwc(sources, work / "x.npy", count, log)

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +28,7 @@ import numpy as np
 import PIL
 from PIL import Image, ImageFile
 
-from ssl_models.data.datasets import DECODED_CACHE_VARIABLE, ImageData, decoded_cache_root
+from ssl_models.data.datasets import ImageData, decode_work_folder, decoded_cache_root
 
 LABEL_MODES = ("auto", "subfolders", "none")
 UNREADABLE_MODES = ("stop", "skip")
@@ -326,23 +325,10 @@ def _decode_to_disk(
     folder that is removed once mapped: the mapping stays valid, and the next process decodes again."""
     image_size = identity["image_size"]
     needed = len(files) * image_size * image_size * 3
-    work = None
-    if entry is not None:
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
-        except OSError:
-            entry = None
-    if work is None:
-        work = Path(tempfile.mkdtemp(prefix="fedssl-folder-"))
+    work, entry = decode_work_folder(
+        entry, "fedssl-folder-", needed, f"{source}: its {len(files)} images", hint=", or lower data.image_size"
+    )
     try:
-        free = shutil.disk_usage(work).free
-        if free < needed:
-            raise OSError(
-                f"{source}: the decoded images need {needed / 2**20:.0f} MiB but {work.parent} has "
-                f"{free / 2**20:.0f} MiB free; point {DECODED_CACHE_VARIABLE} to a folder with room, or lower "
-                "data.image_size"
-            )
         if log is not None:
             log(f"decoding folder {root}: {len(files)} images to {image_size}x{image_size} into {work.parent}")
         started = time.perf_counter()
