@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import shutil
 import sys
@@ -198,6 +199,35 @@ def page_with_study_blocks(page: str) -> str:
     return STUDY_BLOCK.sub(block, page)
 
 
+# Single figures typed in flowing text, each taken from its benchmark's results file: ``<!-- fig:<name> -->`` and
+# ``<!-- /fig -->`` around the figure (invisible in plain Markdown and on the docs site alike).
+FIGURE_PAGES = (REPO / "docs" / "getting-started.md", REPO / "docs" / "studies.md")
+FIGURE = re.compile(r"(<!-- fig:(?P<name>[\w.-]+) -->)(?P<body>.*?)(<!-- /fig -->)", re.DOTALL)
+STARTUP_RESULTS = REPO / "benchmarks" / "results" / "startup.json"
+
+
+def figures() -> dict[str, str]:
+    """Every figure a page may name, from the benchmarks' results files."""
+    startup = json.loads(STARTUP_RESULTS.read_text())
+    single, study_run = startup["single_run"], startup["study_run"]
+    return {
+        "startup.single": f"{single['min_s']:.0f}-{single['max_s']:.0f} s",
+        "startup.study_run": f"{study_run['min_s']:.0f}-{study_run['max_s']:.0f} s",
+    }
+
+
+def page_with_figures(page: str) -> str:
+    known = figures()
+
+    def figure(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in known:
+            raise ValueError(f"figure {name!r}: not one docs/gen_results.py knows ({', '.join(sorted(known))})")
+        return f"{match.group(1)}{known[name]}{match.group(4)}"
+
+    return FIGURE.sub(figure, page)
+
+
 def readme_with_results(readme: str) -> str:
     if START not in readme or END not in readme:
         raise ValueError(f"README.md has no results block: add the lines {START} and {END}")
@@ -293,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.publish:
         print(f"published {publish(args.publish)}")
     outputs = [(STUDIES_PAGE, studies_page()), (README, readme_with_results(README.read_text()))]
-    outputs += [(p, page_with_study_blocks(p.read_text())) for p in PLAIN_PAGES]
+    pages = {p: p.read_text() for p in (*PLAIN_PAGES, *FIGURE_PAGES)}
+    for p in PLAIN_PAGES:
+        pages[p] = page_with_study_blocks(pages[p])
+    for p in FIGURE_PAGES:
+        pages[p] = page_with_figures(pages[p])
+    outputs += list(pages.items())
     if args.check:
         stale = [p.name for p, text in outputs if not p.is_file() or p.read_text() != text]
         if stale:

@@ -10,13 +10,15 @@ Two sources, the better one first:
   their run s): a median and a range, as rough as that spread says. Server-side training (FLESD's distillation,
   Hetero-SSFL's kernels) is not counted: a floor for those.
 
-Neither includes a run's start-up (Flower's SuperLink and Ray starting, the app's imports: 20-40 s on 2 cores),
-which is said beside the total.
+Neither includes a run's start-up and shut-down (Flower's SuperExec and Ray starting, the app's imports, stopping
+them), which is said beside the total: the range the published studies' runs took on 2 cores, as
+``benchmarks/bench_startup.py`` read it into ``benchmarks/results/startup.json``.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -24,7 +26,20 @@ from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1]
 PUBLISHED = APP_DIR / "benchmarks" / "results" / "studies"
-START_UP_S = (20.0, 40.0)  # a run's start-up on 2 cores, before its own clock (the report's run s) starts
+STARTUP_RESULTS = APP_DIR / "benchmarks" / "results" / "startup.json"
+
+
+def _study_run_start_up_s() -> tuple[float, float] | None:
+    """A study run's start-up and shut-down, outside its own clock (the report's run s): the (min, max) seconds the
+    published studies' runs took (``benchmarks/bench_startup.py``); None where that file is missing."""
+    try:
+        figures = json.loads(STARTUP_RESULTS.read_text())["study_run"]
+        return float(figures["min_s"]), float(figures["max_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+START_UP_S = _study_run_start_up_s()
 # --set keys that say where the data is, not what runs: a published estimate still holds with them
 DATA_LOCATION_KEYS = {"data.path", "data.dataset", "data.download"}
 
@@ -205,7 +220,10 @@ class StudyEstimator:
         missing = len(estimates) - len(known)
         start = (
             f"plus {START_UP_S[0] * len(estimates) / 60:.0f}-{START_UP_S[1] * len(estimates) / 60:.0f} min of "
-            f"start-up ({START_UP_S[0]:.0f}-{START_UP_S[1]:.0f} s per run on 2 cores, not in the run times)"
+            f"start-up and shut-down ({START_UP_S[0]:.0f}-{START_UP_S[1]:.0f} s per run on 2 cores, not in the run "
+            "times)"
+            if START_UP_S is not None
+            else "plus each run's start-up (not measured here: benchmarks/bench_startup.py)"
         )
         gpu = "; at this scale a run wants a GPU" if mid / max(1, len(known)) > 4 * 3600 else ""
         return (

@@ -6,6 +6,7 @@ digest."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,21 @@ def test_the_readme_is_short_and_its_results_block_is_generated():
     assert gen.STUDIES_PAGE.read_text() == gen.studies_page(), (
         "benchmarks/results/cpu_studies.md is stale: run python docs/gen_results.py"
     )
+
+
+def test_figures_in_flowing_text_come_from_their_results_files():
+    gen = load_script(REPO / "docs" / "gen_results.py")
+    for page in gen.FIGURE_PAGES:
+        text = page.read_text()
+        assert "<!-- fig:" in text, page.name
+        assert gen.page_with_figures(text) == text, f"{page.name}: a figure is stale: run python docs/gen_results.py"
+    startup = json.loads(gen.STARTUP_RESULTS.read_text())["single_run"]
+    sample = "a run takes <!-- fig:startup.single -->1 s<!-- /fig --> to start"
+    assert gen.page_with_figures(sample) == (
+        f"a run takes <!-- fig:startup.single -->{startup['min_s']:.0f}-{startup['max_s']:.0f} s<!-- /fig --> to start"
+    )
+    with pytest.raises(ValueError, match="figure 'startup.nothing'"):
+        gen.page_with_figures("<!-- fig:startup.nothing -->1<!-- /fig -->")
 
 
 def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, monkeypatch):
