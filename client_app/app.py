@@ -265,7 +265,8 @@ def train_metrics(pid: int, s: TrainStats) -> dict:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Generalized FedSSL, FedProx, FedEMA, FedU, Min-Local: a download rule, local SSL, upload."""
+    """Generalized FedSSL, FedProx, FedEMA, FedU, Min-Local, L-DAWA, FedX, Orchestra, FedU2: the strategy's client rule,
+    local SSL, upload."""
     r = round_inputs(msg, context)
     config = r.config
     prefix = "rule-input."  # per-client values from the server for the download rule (FedEMA's lambda)

@@ -1,16 +1,10 @@
 """Client tasks: decoded inputs in, plain results out. No Flower types here, so each task can be
 called directly in tests and benchmarks; ``client_app.app`` only decodes and encodes messages.
 
-A local round = a *download rule* (how the received global weights enter the client's model), local SSL
-training, and the client state to keep until the next round. Download rules:
-- ``fedssl``: the global online encoder (+ predictor) replaces the client's; the target branch is the
-  client's own (first participation: a copy of the received online branch). ``update_both`` (the FedEMA
-  paper's update-both): the target takes the global online weights too; ``aggregate_target`` (EasyFL's
-  "aggregate the target too"): the target takes the received average of the clients' targets;
-- ``fedema``: FedEMA's divergence-aware EMA of the client's last model with the global one (Algorithm 1);
-- ``fedu``: FedU's divergence-aware predictor update.
-Per-client values the server sends with a round (``rule-input.<name>`` config keys, e.g. FedEMA's
-server-computed ``server_lambda``) reach the rule as keyword arguments.
+A weight-exchanging local round (``train_local_ssl``) = the strategy's *client rule* (``client_app/rules/``: how
+the received global weights enter the client's model, what it adds to the local loss and uploads besides its
+weights), local SSL training, and the client state to keep until the next round. The similarity (FLESD), kernel
+(Hetero-SSFL) and layer-wise rounds are below.
 """
 
 from __future__ import annotations
@@ -60,15 +54,16 @@ from ssl_models.federated.layerwise import (
     select,
     trained_prefixes,
 )
-from ssl_models.federated.model_merge import autoscaler_lambda, easyfl_divergence, ema_merge, fedema_mu, l2_divergence
+from ssl_models.federated.model_merge import easyfl_divergence
 from ssl_models.federated.similarity import client_similarity_payload, public_representations
 from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
 from ssl_models.training import TrainStats, fast_path_for, resolve_device, train_ssl
 
-ONLINE_ENCODER = ("backbone.", "projector.")
-PREDICTOR = ("predictor.",)
-META = "meta."
+from .rules import get_rule
+from .rules.base import META, ONLINE_ENCODER, PREDICTOR  # noqa: F401 (the names tests and other modules use)
+from .rules.base import model_entries as _model_entries
+from .rules.fedssl_family import fedema_download, fedssl_download, fedu_download, local_download  # noqa: F401
 
 
 @dataclass
@@ -115,141 +110,6 @@ def local_images(
 def round_seed(cfg: ExperimentConfig, server_round: int, partition_id: int) -> int:
     """A distinct, reproducible seed for each (round, client) pair."""
     return cfg.seed * 1_000_003 + server_round * 1_009 + partition_id
-
-
-def _model_entries(state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
-    return {k: v for k, v in (state or {}).items() if not k.startswith(META)}
-
-
-def _meta(state: Mapping[str, np.ndarray] | None, name: str, default: float | None = None) -> float | None:
-    value = (state or {}).get(META + name)
-    return default if value is None else float(np.asarray(value).reshape(-1)[0])
-
-
-def _pick(state: Mapping[str, np.ndarray], prefixes: tuple[str, ...]) -> dict[str, np.ndarray]:
-    return {k: v for k, v in state.items() if k.startswith(prefixes)}
-
-
-# ---------------------------------------------------------------------- download rules
-
-
-def fedssl_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
-    """Generalized FedSSL: global online parts replace the client's; the rest stays the client's own.
-
-    ``options["update_both"]``: the target branch takes the global online weights as well (the paper's
-    update-both). With ``aggregate_target`` the server sends the averaged target, which is loaded as it is.
-    A first participation without a received target starts the target as a copy of the global online branch.
-    The MoCo queue is always the client's own."""
-    own = _model_entries(client_state)
-    if own:
-        load_partial_state(method, own)
-    load_partial_state(method, global_state)
-    received_target = any(k.startswith(TARGET_PREFIXES) for k in global_state)
-    if options.get("update_both", False) or (not own and not received_target):
-        reset_target_from_online(method)
-    return {}
-
-
-def fedema_download(
-    method, global_state, client_state, server_round, options, server_lambda: float | None = None
-) -> dict[str, Any]:
-    """FedEMA (Algorithm 1): W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1).
-
-    A client seen for the first time, or not selected in the previous round, takes the global model for its
-    online encoder, predictor **and target** (Algorithm 1, lines 13-14). Otherwise the online encoder and
-    predictor take the EMA and the target stays the client's own. ``options``: mu_mode
-    (autoscaler | lambda | constant), tau, lambda, mu_encoder, mu_predictor, ema_scope
-    (both | encoder | predictor), divergence (paper | easyfl), lambda_from (server_first_round |
-    client_first_ema), ema_bn_stats (global: BatchNorm running statistics take the global model's, the EMA moves
-    parameters only, as the paper's W and EasyFL | ema: the statistics take the EMA too). ``server_lambda``: the autoscaler's lambda the server computed after this client's
-    first training round (``lambda_from: server_first_round``); without it (``client_first_ema``, or a client
-    whose first upload never reached the server) the client computes lambda = tau / d at its first EMA.
-    """
-    own = _model_entries(client_state)
-    stored_lambda = _meta(client_state, "lambda")
-    info: dict[str, Any] = {
-        "ema": False,
-        "mu": None,
-        "mu_predictor": None,
-        "divergence": None,
-        "lambda": server_lambda if server_lambda is not None else stored_lambda,
-        "lambda_from_server": server_lambda is not None,
-    }
-    if own:
-        load_partial_state(method, own)
-    last = _meta(client_state, "last_round")
-    if not own or last is None or int(last) != server_round - 1:
-        load_partial_state(method, global_state)
-        reset_target_from_online(method)  # W_k^t <- W_g as well: a stale target would not match the new model
-        info["reason"] = "first participation" if not own else "not selected in the previous round"
-        return info
-    d_paper = l2_divergence(global_state, own, ONLINE_ENCODER)
-    d = d_paper if options["divergence"] == "paper" else _meta(client_state, "update_size", 0.0)
-    lam = info["lambda"]
-    if options["mu_mode"] == "autoscaler":
-        from_server = (
-            options.get("lambda_from", "server_first_round") == "server_first_round" and server_lambda is not None
-        )
-        lam = float(server_lambda) if from_server else stored_lambda
-        if lam is None:  # once per client, at its first EMA update: its first mu is exactly tau
-            lam = autoscaler_lambda(options["tau"], d)
-        info["lambda_from_server"] = from_server
-        mu_enc = mu_pred = fedema_mu(lam, d)
-    elif options["mu_mode"] == "lambda":
-        lam = float(options["lambda"])
-        mu_enc = mu_pred = fedema_mu(lam, d)
-    else:
-        mu_enc, mu_pred = float(options["mu_encoder"]), float(options["mu_predictor"])
-    scope = options["ema_scope"]
-    merged = dict(global_state)  # parts outside the EMA scope take the global weights
-    bn_stats = str(options.get("ema_bn_stats", "global"))
-    if scope in ("both", "encoder"):
-        merged.update(ema_merge(own, global_state, mu_enc, ONLINE_ENCODER, bn_stats))
-    if scope in ("both", "predictor") and _pick(global_state, PREDICTOR):
-        merged.update(ema_merge(own, global_state, mu_pred, PREDICTOR, bn_stats))
-    load_partial_state(method, merged)
-    info.update(ema=True, mu=mu_enc, mu_predictor=mu_pred, divergence=d, divergence_paper=d_paper, **{"lambda": lam})
-    return info
-
-
-def fedu_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
-    """FedU: online encoder <- global; predictor <- global only if the divergence is below the threshold."""
-    own = _model_entries(client_state)
-    if own:
-        load_partial_state(method, own)
-    if not own:
-        load_partial_state(method, global_state)
-        reset_target_from_online(method)
-        return {"divergence": None, "predictor_updated": True, "reason": "first participation"}
-    d = (
-        l2_divergence(global_state, own, ONLINE_ENCODER)
-        if options["divergence"] == "paper"
-        else _meta(client_state, "update_size", 0.0)
-    )
-    update_predictor = d < float(options["threshold"])
-    incoming = {k: v for k, v in global_state.items() if update_predictor or not k.startswith(PREDICTOR)}
-    load_partial_state(method, incoming)
-    return {"divergence": d, "predictor_updated": bool(update_predictor)}
-
-
-def local_download(method, global_state, client_state, server_round, options) -> dict[str, Any]:
-    """Min-Local: no aggregation. The client starts once from the shared initial model, then only ever
-    continues its own."""
-    own = _model_entries(client_state)
-    if own:
-        load_partial_state(method, own)
-        return {}
-    load_partial_state(method, global_state)
-    reset_target_from_online(method)
-    return {}
-
-
-DOWNLOAD_RULES: dict[str, Callable[..., dict[str, Any]]] = {
-    "fedssl": fedssl_download,
-    "local": local_download,
-    "fedema": fedema_download,
-    "fedu": fedu_download,
-}
 
 
 # ---------------------------------------------------------------------- the local round
@@ -469,8 +329,7 @@ def train_local_ssl(
     ``aggregate_target``; with ``update_both`` the target is not kept either (the next download replaces it).
     ``rule_inputs``: per-client values from the server for the download rule (FedEMA's ``server_lambda``).
     ``proximal_mu > 0`` adds FedProx's proximal term towards the received global weights to every step."""
-    if rule not in DOWNLOAD_RULES:
-        raise ValueError(f"unknown client download rule {rule!r} (valid: {', '.join(DOWNLOAD_RULES)})")
+    client_rule = get_rule(rule)
     seed = round_seed(cfg, server_round, partition_id)
     method = build_ssl_model(cfg, seed=seed, arch=cfg.client_arch(partition_id))
     if rule == "local" and not global_state and not _model_entries(client_state):
@@ -478,34 +337,53 @@ def train_local_ssl(
         # others start from the seeded initial model of their own architecture.
         global_state = state_to_numpy(split_state(initial_client_model(cfg, partition_id), method.shared_prefixes())[0])
     options = {**(rule_options or {}), "update_both": bool(update_both), "aggregate_target": bool(aggregate_target)}
-    info = DOWNLOAD_RULES[rule](method, global_state, client_state, server_round, options, **(rule_inputs or {}))
+    info = client_rule.download(method, global_state, client_state, server_round, options, **(rule_inputs or {}))
     method.on_new_global()
-    start_state = state_to_numpy(method.state_dict()) if rule in ("fedema", "fedu") else None
+    with_update = client_rule.keeps == "model_and_update"
+    start_state = state_to_numpy(method.state_dict()) if with_update else None
     device = resolve_device(cfg.train.device)
-    hook = None
+    terms = []
     if proximal_mu > 0:
         anchors = {k: torch.as_tensor(v).to(device) for k, v in global_state.items()}
         named = dict(method.named_parameters())
         params = {k: p for k, p in named.items() if k in anchors and p.requires_grad}
-        hook = lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper")
+        terms.append(lambda _m: proximal_term(params, anchors, proximal_mu, half=proximal_form == "paper"))
+    if client_rule.loss_term is not None:
+        term = client_rule.loss_term(method, global_state, options, device)
+        if term is not None:
+            terms.append(term)
+    hook = None
+    if len(terms) == 1:
+        hook = terms[0]
+    elif terms:
+        hook = lambda m: sum(term(m) for term in terms)
     stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
+    extra = (
+        client_rule.upload_extra(method, images, cfg, options, device, info)
+        if client_rule.upload_extra is not None
+        else {}
+    )
+    bad = sorted(k for k in extra if not k.startswith(f"{rule}."))
+    if bad:
+        raise ValueError(f"client rule {rule!r} uploads arrays outside its prefix '{rule}.': {', '.join(bad)}")
     method.cpu()
     shared, local = split_state(method, method.shared_prefixes(with_target=aggregate_target))
-    if rule == "fedssl":
+    if client_rule.keeps == "own":
         # What the server does not hold: target branch (unless the next download replaces it), MoCo queue.
         kept = state_to_numpy({k: v for k, v in local.items() if not (update_both and k.startswith(TARGET_PREFIXES))})
-    elif rule == "local":
-        kept = state_to_numpy(method.state_dict())  # the client's own model is all it has
     else:
-        # FedEMA/FedU need the client's whole last model (online, predictor, target) next time, and the size of
-        # this local update (EasyFL's divergence), which is also reported: the server's autoscaler uses it.
+        # Min-Local: the client's own model is all it has. FedEMA/FedU need the client's whole last model (online,
+        # predictor, target) next time, and the size of this local update (EasyFL's divergence), which is also
+        # reported: the server's autoscaler uses it.
         kept = state_to_numpy(method.state_dict())
+    if with_update:
         info["update_size"] = easyfl_divergence(start_state, kept)
         kept[META + "update_size"] = np.array([info["update_size"]])
         if info.get("lambda") is not None and not info.get("lambda_from_server", False):
             kept[META + "lambda"] = np.array([float(info["lambda"])])  # computed here: keep it for later rounds
     kept[META + "last_round"] = np.array([server_round], dtype=np.int64)
-    return LocalRoundResult(state_to_numpy(shared), kept, stats, info)
+    shared = {**state_to_numpy(shared), **{k: np.asarray(v) for k, v in extra.items()}}
+    return LocalRoundResult(shared, kept, stats, info)
 
 
 # ---------------------------------------------------------------------- FLESD: similarity upload

@@ -7,10 +7,14 @@ from .fedema import FedEMA
 from .fedprox import FedProx
 from .fedssl import FedSSL
 from .fedu import FedU
+from .fedu2 import FedU2
+from .fedx import FedX
 from .flesd import FLESD
 from .heterossfl import HeteroSSFL
 from .layerwise import FLLDD, FedMoCoLW, LWFedSSL, ProgFedSSL
+from .ldawa import LDAWA
 from .local import Local
+from .orchestra import Orchestra
 
 STRATEGIES = {
     cls.name: cls
@@ -19,6 +23,8 @@ STRATEGIES = {
         FedProx,
         FedEMA,
         FedU,
+        FedU2,
+        FedX,
         FLESD,
         Local,
         HeteroSSFL,
@@ -27,6 +33,8 @@ STRATEGIES = {
         FedMoCoLW,
         ProgFedSSL,
         FLLDD,
+        Orchestra,
+        LDAWA,
     )
 }
 

@@ -5,7 +5,7 @@ encoder stays on each client. The difference is on the client at download: inste
 by the global one, a client that trained in the previous round takes an EMA,
 W_k <- mu W_k + (1 - mu) W_g with mu = min(lambda ||W_g - W_k||, 1); a client seen for the first time or not
 selected in the previous round takes the global model for its online encoder, predictor and target
-(see client_app/tasks.py, ``fedema_download``, and ssl_models/federated/model_merge.py for the math).
+(see client_app/rules/fedssl_family.py, ``fedema_download``, and ssl_models/federated/model_merge.py for the math).
 
 The autoscaler's lambda_k = tau / d (Algorithm 1, lines 9-10) is computed here, by the server, once per
 client, right after the client's first training round: with ``divergence: paper`` d = ||W_g^{r+1} - W_k^r||,

@@ -63,7 +63,7 @@ class FedSSL(Strategy):
     """Example-weighted averaging of what clients upload, with seeded partial participation."""
 
     name = "fedssl"
-    client_update = "fedssl"  # the ClientApp's download rule (client_app/tasks.py)
+    client_update = "fedssl"  # the ClientApp's client rule (client_app/rules/)
     supports_mixed_archs = False  # averaging weights needs one architecture
     message_type = TRAIN_MESSAGE_TYPE  # the ClientApp handler that serves a training round
     # Whether the target-branch options (update_both, aggregate_target) mean something for this strategy.

@@ -2,7 +2,7 @@
 
 Server side it is FedBYOL. On the client, at download: the online encoder takes the global one; the
 predictor takes the global one only when the divergence is below ``threshold`` (0.4), else the client keeps
-its own; the target encoder stays local (client_app/tasks.py, ``fedu_download``).
+its own; the target encoder stays local (client_app/rules/fedssl_family.py, ``fedu_download``).
 
 The divergence defaults to ``easyfl``, the one the 0.4 threshold was tuned on: the mean per-layer L2 distance
 of the backbone's conv weights between the start and the end of the client's previous local training (the

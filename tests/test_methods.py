@@ -20,6 +20,14 @@ SMALL_HEADS: dict[str, dict[str, Any]] = {
     "byol": {"proj_hidden_dim": 64, "proj_out_dim": 32, "pred_hidden_dim": 64},
     "simsiam": {"proj_hidden_dim": 64, "proj_out_dim": 32, "pred_hidden_dim": 64},
     "mocov3": {"proj_hidden_dim": 64, "proj_out_dim": 32, "pred_hidden_dim": 64},
+    "fedx": {"proj_hidden_dim": 64, "proj_out_dim": 32, "pred_hidden_dim": 64},
+    "orchestra": {
+        "proj_hidden_dim": 64,
+        "proj_out_dim": 32,
+        "num_global_clusters": 4,
+        "num_local_clusters": 2,
+        "memory_size": 8,
+    },
 }
 LOCAL_KEY_PREFIXES: dict[str, tuple[str, ...]] = {
     "simclr": (),
@@ -27,6 +35,8 @@ LOCAL_KEY_PREFIXES: dict[str, tuple[str, ...]] = {
     "byol": ("target_backbone.", "target_projector."),
     "simsiam": (),
     "mocov3": ("target_backbone.", "target_projector."),
+    "fedx": (),  # the frozen teacher is not part of the state: it is the received global model
+    "orchestra": ("target_backbone.", "target_projector.", "global_centroids", "memory", "memory_count"),
 }
 
 
@@ -122,6 +132,8 @@ def test_shared_prefixes_split_state_dict_into_shared_and_local(name: str) -> No
 def test_trainable_parameters_are_exactly_the_online_branch(name: str) -> None:
     method = tiny_method(name)
     online_modules = [method.backbone, method.projector] + ([method.predictor] if method.has_predictor else [])
+    if name == "orchestra":
+        online_modules.append(method.rotation_head)  # the degeneracy regulariser trains with the online branch
     expected = {id(p) for module in online_modules for p in module.parameters()}
     assert {id(p) for p in method.trainable_parameters()} == expected
 
@@ -250,7 +262,7 @@ def test_simsiam_has_no_target_branch_and_no_target_state() -> None:
 
 # ---------------------------------------------------------------------------------------------- registry
 def test_registry_lists_the_methods_and_rejects_unknown_name() -> None:
-    assert sorted(METHODS) == ["byol", "moco", "mocov3", "simclr", "simsiam"]
+    assert sorted(METHODS) == ["byol", "fedx", "moco", "mocov3", "orchestra", "simclr", "simsiam"]
     with pytest.raises(ValueError, match="byol.*moco.*simclr.*simsiam"):
         build_method("swav", nn.Identity(), 8)
     with pytest.raises(ValueError, match="swav"):

@@ -8,12 +8,16 @@ from torch import nn
 
 from ssl_models.methods.base import SSLMethod
 from ssl_models.methods.byol import BYOL
+from ssl_models.methods.fedx import FedXMethod
 from ssl_models.methods.moco import MoCo
 from ssl_models.methods.mocov3 import MoCoV3
+from ssl_models.methods.orchestra import Orchestra
 from ssl_models.methods.simclr import SimCLR
 from ssl_models.methods.simsiam import SimSiam
 
-METHODS: dict[str, type[SSLMethod]] = {method.name: method for method in (SimCLR, MoCo, BYOL, SimSiam, MoCoV3)}
+METHODS: dict[str, type[SSLMethod]] = {
+    method.name: method for method in (SimCLR, MoCo, BYOL, SimSiam, MoCoV3, FedXMethod, Orchestra)
+}
 
 
 def _method_class(name: str) -> type[SSLMethod]:
