@@ -54,14 +54,26 @@ def test_fedema_family_rows():
         "FedEMA (autoscaler, tau 0.7, EasyFL divergence)": "fedema",
         "FedEMA (paper divergence)": "fedema",
         "centralized": "central",
+        "L-DAWA (BYOL)": "ldawa",
+        "FedX": "fedx",
+        "Orchestra": "orchestra",
+        "FedU2 (BYOL)": "fedu2",
     }
     assert r["FedEMA (autoscaler, tau 0.7, EasyFL divergence)"]["strategy"]["options"]["divergence"] == "easyfl"
     assert r["FedEMA (paper divergence)"]["strategy"]["options"]["divergence"] == "paper"
     assert r["FedU"]["strategy"]["options"]["threshold"] == 0.4
-    for cfg in r.values():
-        assert differences(r["FedBYOL"], cfg) <= {"name"} | {
-            k for k in differences(r["FedBYOL"], cfg) if k.startswith("strategy.")
-        }
+    own_objective = {"FedX": "fedx", "Orchestra": "orchestra"}  # methods whose local objective is their own
+    for variant, cfg in r.items():
+        allowed = {"name"} | {k for k in differences(r["FedBYOL"], cfg) if k.startswith("strategy.")}
+        if variant in own_objective:
+            allowed |= {k for k in differences(r["FedBYOL"], cfg) if k.startswith("method.")}
+            assert cfg["method"]["name"] == own_objective[variant]
+        else:
+            assert cfg["method"] == r["FedBYOL"]["method"], variant  # the same BYOL clients
+        assert differences(r["FedBYOL"], cfg) <= allowed, variant
+    # Orchestra's global clustering needs N_G <= 3 clients x N_L local centroids
+    options = r["Orchestra"]["method"]["options"]
+    assert options["num_global_clusters"] <= 3 * options["num_local_clusters"]
 
 
 def test_flesd_rows_have_equal_local_compute():

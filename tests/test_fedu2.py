@@ -284,7 +284,10 @@ def test_fedu2_smoke_run_records_fur_and_eua_per_round(tmp_path):
     from test_e2e_flwr_run import data_overrides
 
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke-fedu2.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke-fedu2.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 eval.probe_epochs=5 eval.random_init_reference=false",
+        tmp_path / "flwr",
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2]

@@ -262,7 +262,10 @@ def test_ldawa_smoke_run_records_the_cosines_and_resources(tmp_path, monkeypatch
     npz = cifar10_npz()
     data = f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke-ldawa.yaml' output-dir='{out}' {data}", tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke-ldawa.yaml' output-dir='{out}' {data} train.max_steps_per_epoch=3 eval.probe_epochs=5 eval.random_init_reference=false",
+        tmp_path / "flwr",
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     summary = json.loads((out / "summary.json").read_text())

@@ -345,7 +345,10 @@ def test_orchestra_smoke_run_clusters_globally_and_records_it(tmp_path, monkeypa
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny encoders on 2 shared cores: one thread per process is faster
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke-orchestra.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke-orchestra.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 eval.probe_epochs=5 eval.random_init_reference=false",
+        tmp_path / "flwr",
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2]
