@@ -265,7 +265,7 @@ STUDY = {
     "seeds": [0, 1],
     "overrides": {
         "data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
-        "rounds": 2,
+        "rounds": 3,
         "train.max_steps_per_epoch": 2,
         "eval": {"max_train": 120, "max_test": 60, "probe_epochs": 3, "knn_k": 10},
     },
@@ -501,7 +501,7 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
-    assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 3
     # 3. Once more: every run finished earlier, nothing runs
     proc = study_cli(study, out)
     output, _ = proc.communicate(timeout=120)
@@ -519,7 +519,7 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
         assert all(s["provenance"]["versions"]["flwr"] and s["provenance"]["config_hash"] for s in summaries)
     assert (out / "report.csv").is_file() and (out / "curves.png").is_file() and (out / "scores.png").is_file()
     resolved = yaml.safe_load((out / "runs" / "fedema-seed1" / "config.yaml").read_text())
-    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 1 and resolved["rounds"] == 2
+    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 1 and resolved["rounds"] == 3
     assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
 
 
