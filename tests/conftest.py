@@ -63,6 +63,28 @@ def cifar_npz() -> Path:
     return path
 
 
+@pytest.fixture
+def task_identity():
+    """Flower builds a Message only inside a run (it stamps the run's ids): give a test outside one a fake run,
+    and take it away after. A module whose every test builds messages sets
+    ``pytestmark = pytest.mark.usefixtures("task_identity")``."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+class NodeGrid:
+    """The part of a Flower Grid a strategy's configure_* reads: the connected node ids, in the given order."""
+
+    def __init__(self, nodes):
+        self.nodes = list(nodes)
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread_in_e2e_runs(request, monkeypatch):
     """The real `flwr run .` tests use tiny models: on a 2-core machine one torch thread per process (the

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.tasks import local_images
+from conftest import NodeGrid
 from fedssl_wire import to_array_record
 from server_app.app import ServerEvaluator, random_init_entries
 from ssl_models.config import ExperimentConfig
@@ -31,13 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
 
 
 def tiny_cfg(**overrides) -> ExperimentConfig:
@@ -279,14 +272,6 @@ def test_union_scope_refuses_a_node_with_its_own_data_file(tmp_path):
         local_images(tiny_cfg(), 0, None, "everything")
 
 
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def test_central_trains_one_client_on_the_union(task_identity):
     cfg = tiny_cfg(**{"strategy.name": "central"})
     central = get_strategy_class("central")(
@@ -295,11 +280,11 @@ def test_central_trains_one_client_on_the_union(task_identity):
     data = load_experiment_data(cfg)
     central.prepare(cfg, data, federated_split(cfg, data.y_train))
     arrays = to_array_record({"backbone.w": np.ones(3, np.float32)})
-    msgs = list(central.configure_train(1, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102])))
+    msgs = list(central.configure_train(1, arrays, ConfigRecord({"experiment": "{}"}), NodeGrid([100, 101, 102])))
     assert [m.metadata.dst_node_id for m in msgs] == [100]
     assert msgs[0].content["config"]["data-scope"] == "union"
     # Client 0's node gone: the lowest connected client trains instead.
-    msgs = list(central.configure_train(2, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([102, 101])))
+    msgs = list(central.configure_train(2, arrays, ConfigRecord({"experiment": "{}"}), NodeGrid([102, 101])))
     assert [m.metadata.dst_node_id for m in msgs] == [101]
     extras = central.summary_extras({})
     assert extras["central"]["train_images"] == len(data.x_train)

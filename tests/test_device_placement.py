@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from flwr.app import Context, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 import server_app.app as server_module
 import server_app.results as results_module
@@ -171,11 +170,6 @@ print("calls before the first message:", seen)
 
 
 # ---------------------------------------------------------------------------------------------- the loud failure
-@pytest.fixture()
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
 
 
 def test_a_client_asked_for_cuda_without_a_gpu_fails_the_round_naming_why(task_identity, monkeypatch):

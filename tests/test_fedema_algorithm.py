@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
 from client_app.tasks import fedema_download, fedu_download, train_local_ssl
@@ -37,11 +36,7 @@ ONLINE = ("backbone.", "projector.")
 TAU = 0.7
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 @pytest.fixture(scope="module")

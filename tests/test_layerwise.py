@@ -14,10 +14,9 @@ import pytest
 import torch
 import yaml
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.tasks import fedssl_download, layerwise_round, train_local_ssl
-from conftest import experiment_config_files, study_experiments
+from conftest import NodeGrid, experiment_config_files, study_experiments
 from fedssl_wire import LAYERWISE_MESSAGE_TYPE, from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, set_dotted
@@ -49,11 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = "configs/smoke-lwfedssl.yaml"
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 def experiment(variant: str = "lwfedssl", **overrides):
@@ -299,14 +294,6 @@ def test_calibration_changes_every_block_of_the_sub_model():
 # ---------------------------------------------------------------------- the strategy: bytes of every message kind
 
 
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = list(nodes)
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def make_strategy(variant: str, cfg, n: int = 2, **kw):
     data = load_experiment_data(cfg)
     cls = get_strategy_class(variant)
@@ -343,7 +330,7 @@ def fake_replies(strategy, messages, failing=()):
 
 
 def run_round(strategy, r, arrays, nodes, failing=()):
-    msgs = list(strategy.configure_train(r, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid(nodes)))
+    msgs = list(strategy.configure_train(r, arrays, ConfigRecord({"experiment": "{}"}), NodeGrid(nodes)))
     new, _ = strategy.aggregate_train(r, fake_replies(strategy, msgs, failing))
     return {m.metadata.dst_node_id - 100: m for m in msgs}, (new if new is not None else arrays)
 
@@ -434,7 +421,7 @@ def test_lwfedssl_calibrates_at_the_round_start_before_the_clients_and_the_other
     strategy._calibrate = spy
     new_arrays = arrays
     for r in (1, 2, 3):  # stages of 2 rounds: round 3 appends block 2 first
-        msgs = list(strategy.configure_train(r, new_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101])))
+        msgs = list(strategy.configure_train(r, new_arrays, ConfigRecord({"experiment": "{}"}), NodeGrid([100, 101])))
         assert calls[-1][0] == r and calls[-1][1] == strategy.position(r).stage  # grown, then calibrated
         calibrated = dict(strategy.global_state)
         for m in msgs:  # the clients get the calibrated sub-model, every entry of it
@@ -870,11 +857,11 @@ def test_a_resumed_strategy_sends_what_the_uninterrupted_one_sends():
     checkpoint_arrays = to_array_record(from_array_record(arrays))
     sent_a = {
         m.metadata.dst_node_id: from_array_record(m.content["arrays"])
-        for m in a.configure_train(5, arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))
+        for m in a.configure_train(5, arrays, ConfigRecord({"experiment": "{}"}), NodeGrid([100, 101, 102]))
     }
     sent_b = {
         m.metadata.dst_node_id: from_array_record(m.content["arrays"])
-        for m in b.configure_train(5, checkpoint_arrays, ConfigRecord({"experiment": "{}"}), FakeGrid([100, 101, 102]))
+        for m in b.configure_train(5, checkpoint_arrays, ConfigRecord({"experiment": "{}"}), NodeGrid([100, 101, 102]))
     }
     assert sent_a.keys() == sent_b.keys() == {100, 101, 102}
     for node, state_a in sent_a.items():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
+from conftest import NodeGrid
 from fedssl_wire import from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError
@@ -140,22 +140,6 @@ def test_groups_summary_and_input_errors():
 # ------------------------------------------------------------------ the strategy, with hand-built replies
 
 
-@pytest.fixture
-def task_identity():
-    # Messages can only be built inside a run; give the tests a fake one.
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
-
-
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def reply(node, arrays, pid, n):
     request = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node, message_type="train")
     metrics = MetricRecord({"partition-id": pid, "num-examples": n, "train_loss": 1.0, "train_s": 0.5})
@@ -163,7 +147,7 @@ def reply(node, arrays, pid, n):
 
 
 def run_round(strategy, server_round, glob, uploads):
-    messages = list(strategy.configure_train(server_round, to_array_record(glob), ConfigRecord(), FakeGrid([100, 101])))
+    messages = list(strategy.configure_train(server_round, to_array_record(glob), ConfigRecord(), NodeGrid([100, 101])))
     assert len(messages) == 2
     replies = [reply(100 + pid, arrays, pid, n) for pid, (arrays, n) in enumerate(uploads)]
     arrays, _ = strategy.aggregate_train(server_round, iter(replies))

@@ -7,25 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
+from conftest import NodeGrid
 from fedssl_wire import KERNEL_RECORD, SIMILARITY_RECORD, from_array_record, to_array_record
 from strategies import FedSSL, get_strategy_class
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
-
-
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 GLOBAL = {"backbone.w": np.zeros((2, 3), np.float32), "backbone.n": np.zeros((1,), np.int64)}
@@ -34,7 +21,7 @@ GLOBAL = {"backbone.w": np.zeros((2, 3), np.float32), "backbone.n": np.zeros((1,
 def round_messages(strategy, server_round=1):
     msgs = list(
         strategy.configure_train(
-            server_round, to_array_record(GLOBAL), ConfigRecord(), FakeGrid(list(strategy.clients.values()))
+            server_round, to_array_record(GLOBAL), ConfigRecord(), NodeGrid(list(strategy.clients.values()))
         )
     )
     for i, m in enumerate(msgs):

@@ -11,7 +11,6 @@ import pytest
 import torch
 import yaml
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 import server_app.app as server_module
 import server_app.results as results_module
@@ -32,11 +31,7 @@ def simulated_clientapps(monkeypatch, tmp_path):
     monkeypatch.setenv("FEDSSL_ALLOWED_ROOTS", str(tmp_path))
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 class InfoGrid:

@@ -3,20 +3,14 @@
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
+from conftest import NodeGrid
 from fedssl_wire import from_array_record, to_array_record
 from strategies import FedSSL, get_strategy_class
 from strategies.aggregation import sample_clients, weighted_average, weighted_mean
 from wire_bytes import hand_bytes
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    # Messages can only be built inside a run; give the tests a fake one.
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 def test_weighted_average_matches_hand_computation():
@@ -55,14 +49,6 @@ def test_sample_clients_is_seeded_and_partial():
         sample_clients(ids, 11, seed=0, server_round=1)
 
 
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def make_strategy(n=3, k=2, **kw):
     clients = {pid: 100 + pid for pid in range(n)}
     return FedSSL(clients=clients, clients_per_round=k, seed=1, round_config=lambda r: {"lr": 0.5 / r}, **kw)
@@ -72,7 +58,7 @@ def test_configure_train_builds_one_message_per_sampled_client():
     strategy = make_strategy()
     arrays = to_array_record({"backbone.w": np.ones((4, 4), np.float32)})
     base = ConfigRecord({"experiment": "{}"})
-    msgs = list(strategy.configure_train(2, arrays, base, FakeGrid([100, 101, 102])))
+    msgs = list(strategy.configure_train(2, arrays, base, NodeGrid([100, 101, 102])))
     assert len(msgs) == 2
     assert len({m.metadata.dst_node_id for m in msgs}) == 2
     cfgs = [m.content["config"] for m in msgs]
@@ -86,7 +72,7 @@ def test_configure_train_builds_one_message_per_sampled_client():
 
 def test_configure_train_samples_only_connected_clients():
     strategy = make_strategy(n=3, k=3, min_available=2, node_wait_s=0.0)
-    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(), FakeGrid([100, 102])))
+    msgs = list(strategy.configure_train(1, to_array_record({"w": np.zeros(1)}), ConfigRecord(), NodeGrid([100, 102])))
     assert sorted(m.metadata.dst_node_id for m in msgs) == [100, 102]
 
 
@@ -166,7 +152,7 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
     """Cross-device mode: the server stores each client's state and sends it back next time."""
     strategy = make_strategy(n=2, k=2, options={"client_state": "server"}, state_dir=str(tmp_path))
     arrays = to_array_record({"w": np.zeros(2, np.float32)})
-    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid([100, 101])))
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), NodeGrid([100, 101])))
     assert all(len(m.content["client-state"]) == 0 for m in msgs)  # nobody has state yet
     assert all(m.content["config"]["client-state"] == "server" for m in msgs)
     replies = []
@@ -179,7 +165,7 @@ def test_server_side_client_state_travels_with_the_messages(tmp_path):
     assert strategy._bytes_down[1] == 2 * 285  # round 1: the empty state records cost nothing
     assert strategy.round_records[1]["bytes_up"] == 2 * (285 + 308) == hand_bytes_of(replies)
     msgs2 = {
-        m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), FakeGrid([100, 101]))
+        m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord(), NodeGrid([100, 101]))
     }
     np.testing.assert_array_equal(from_array_record(msgs2[101].content["client-state"])["target.w"], [101.0] * 3)
     assert strategy._bytes_down[2] == 2 * (285 + 308) == hand_bytes_of(msgs2.values())
@@ -192,7 +178,7 @@ def hand_bytes_of(messages) -> int:
     return sum(hand_bytes(from_array_record(rec)) for m in messages for rec in m.content.array_records.values())
 
 
-class ReplyingGrid(FakeGrid):
+class ReplyingGrid(NodeGrid):
     """A grid that stamps message ids as Flower's does on push and answers query.info from a table."""
 
     def __init__(self, nodes, partitions, num_partitions):
@@ -224,7 +210,7 @@ def test_failed_clients_are_named_with_the_reason_or_the_missing_reply():
     strategy = make_strategy(n=3, k=3)
     msgs = list(
         strategy.configure_train(
-            1, to_array_record({"w": np.zeros(1, np.float32)}), ConfigRecord(), FakeGrid([100, 101, 102])
+            1, to_array_record({"w": np.zeros(1, np.float32)}), ConfigRecord(), NodeGrid([100, 101, 102])
         )
     )
     for i, m in enumerate(msgs):  # what the Grid does when it pushes them

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
 from client_app.tasks import fedssl_download, train_local_ssl
@@ -33,11 +32,7 @@ ONLINE = {"byol": ("backbone.", "projector.", "predictor."), "moco": ("backbone.
 TARGET = ("target_backbone.", "target_projector.")
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 def make_cfg(method: str, **strategy_options) -> ExperimentConfig:
