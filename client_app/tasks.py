@@ -239,6 +239,24 @@ def _with_stop_check(epoch_hook):
     return hook
 
 
+def local_step_resources(cfg: ExperimentConfig, method, images: np.ndarray, device) -> dict[str, float]:
+    """``step_resources`` of one local step of this experiment's model, optimiser and batch on ``images``."""
+    t = cfg.train
+    return step_resources(
+        method,
+        optimizer=t.optimizer,
+        batch_size=max(2, min(t.batch_size, len(images))),
+        sgd_momentum=t.momentum,
+        device=device,
+        image_shape=(3, *np.shape(images)[1:3]),
+        context=json.dumps(
+            {"method": cfg.method.name, "options": cfg.method.options, "model": [cfg.model.arch, cfg.model.width]},
+            sort_keys=True,
+            default=str,
+        ),
+    )
+
+
 def local_training(
     cfg: ExperimentConfig,
     method,
@@ -260,20 +278,7 @@ def local_training(
     t = cfg.train
     resources: dict[str, float] = {}
     if account:
-        batch = max(2, min(t.batch_size, len(images)))
-        resources = step_resources(
-            method,
-            optimizer=t.optimizer,
-            batch_size=batch,
-            sgd_momentum=t.momentum,
-            device=device,
-            image_shape=(3, *np.shape(images)[1:3]),
-            context=json.dumps(
-                {"method": cfg.method.name, "options": cfg.method.options, "model": [cfg.model.arch, cfg.model.width]},
-                sort_keys=True,
-                default=str,
-            ),
-        )
+        resources = local_step_resources(cfg, method, images, device)
         rss_reset = reset_peak_rss()
     stats = train_ssl(
         method,
@@ -357,7 +362,14 @@ def train_local_ssl(
         hook = terms[0]
     elif terms:
         hook = lambda m: sum(term(m) for term in terms)
-    stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
+    # A rule may run its own round instead of local training (Orchestra's seeding round); None: train as usual.
+    stats = (
+        client_rule.replaces_training(method, images, cfg, options, device, server_round=server_round, seed=seed)
+        if client_rule.replaces_training is not None
+        else None
+    )
+    if stats is None:
+        stats = local_training(cfg, method, images, lr=lr, seed=seed, device=device, loss_hook=hook, log=log)
     extra = (
         client_rule.upload_extra(method, images, cfg, options, device, info)
         if client_rule.upload_extra is not None

@@ -29,7 +29,7 @@ from ssl_models.federated.fedu2 import FUR_FORMS, eua_aggregate
 
 from .aggregation import weighted_mean
 from .fedssl import FedSSL
-from .options import check_choice, check_positive
+from .options import check_bool, check_choice, check_positive
 
 AGGREGATORS = ("eua", "fedavg")
 
@@ -82,10 +82,7 @@ class FedU2(FedSSL):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"strategy.options.{key}: must be an integer >= 1 (got {value!r})")
         for key in ("fur_normalize", "normalize_updates", "two_client_shortcut"):
-            if not isinstance(options[key], bool):
-                raise ValueError(  # noqa: TRY004 - a config error: the loader reports ValueErrors
-                    f"strategy.options.{key}: must be true or false (got {options[key]!r})"
-                )
+            check_bool(options, key)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

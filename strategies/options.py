@@ -18,3 +18,10 @@ def check_positive(options: dict[str, Any], key: str) -> None:
 def check_unit(options: dict[str, Any], key: str) -> None:
     if not 0.0 <= options[key] <= 1.0:
         raise ValueError(f"strategy.options.{key}: must be in [0, 1] (got {options[key]!r})")
+
+
+def check_bool(options: dict[str, Any], key: str) -> None:
+    if not isinstance(options[key], bool):
+        raise ValueError(  # noqa: TRY004 - a config error: the loader reports ValueErrors
+            f"strategy.options.{key}: must be true or false (got {options[key]!r})"
+        )

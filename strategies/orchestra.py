@@ -1,5 +1,5 @@
 """Orchestra (Lubana et al., "Orchestra: Unsupervised Federated Learning via Globally Consistent Clustering",
-ICML 2022, arXiv 2205.11506), Algorithm 1, server side.
+ICML 2022, arXiv 2205.11506), the server side (the paper's Algorithm 2; Algorithm 1 is the clients').
 
 Each round the sampled clients receive the global model (online model, rotation head and, by default, the
 target model: the authors' code runs stateless clients) and the global centroids (``orchestra.global_centroids``,
@@ -7,9 +7,11 @@ N_G x D, sent with the round, not part of the averaged model). Each trains with 
 global centroids plus the rotation degeneracy term, clusters the memory of its target representations into N_L
 equally sized local centroids and uploads its weights with ``orchestra.local_centroids`` (N_L x D). The server
 averages the weights (FedAvg, weighted by examples) and clusters all uploaded local centroids into the next N_G
-global centroids (``global_clustering``: ``kmeans``, the equal-size Sinkhorn-Knopp K-means the clients use, or
-``gradient``, the authors' code's SGD form of Genevay et al.'s clustering, warm-started at the last centroids).
-Before the first global clustering the centroids are seeded random unit vectors.
+global centroids (``global_clustering``: ``gradient``, the authors' code's SGD form of Genevay et al.'s clustering,
+warm-started at the last centroids, or ``kmeans``, the equal-size Sinkhorn-Knopp K-means the clients use).
+Before the first global clustering the centroids are seeded random unit vectors. With ``seed_round`` (the authors'
+code) round 1 trains nothing: the clients upload the local centroids of their received model's representations,
+the server keeps the weights and clusters the centroids, and training starts in round 2 against centroids from data.
 
 The math lives in ``ssl_models.federated.orchestra``; the client side in ``client_app/rules/orchestra.py``; the
 model and loss in ``ssl_models/methods/orchestra.py``.
@@ -36,7 +38,7 @@ from ssl_models.methods import method_default_options
 
 from .aggregation import weighted_average
 from .fedssl import FedSSL
-from .options import check_choice, check_positive
+from .options import check_bool, check_choice, check_positive
 from .replies import array_spec
 
 GLOBAL_CENTROIDS = "orchestra.global_centroids"
@@ -57,9 +59,12 @@ class Orchestra(FedSSL):
             # true (the authors' code: stateless clients): the target model is averaged and sent like the online
             # one; false: each client keeps its own target (the code's stateful_client)
             "aggregate_target": True,
-            # kmeans: equal-size Sinkhorn-Knopp K-means over all local centroids (as the clients cluster); gradient:
-            # the authors' code (SGD on the centroids matching Sinkhorn-Knopp assignments, warm start)
-            "global_clustering": "kmeans",
+            # gradient: the authors' code (SGD on the centroids matching Sinkhorn-Knopp assignments, warm start);
+            # kmeans: equal-size Sinkhorn-Knopp K-means over all local centroids (as the clients cluster)
+            "global_clustering": "gradient",
+            # true (the authors' code): round 1 only clusters, to seed the global centroids from data; training
+            # starts in round 2. false: round 1 trains against the seeded random centroids
+            "seed_round": True,
             "kmeans_iters": 5,  # K-means iterations, local and global (the authors' code: 5, local)
             "sinkhorn_iters": 10,  # Sinkhorn-Knopp iterations per K-means assignment (the authors' code: 10)
             "sinkhorn_inverse_epsilon": 25.0,  # 1 / epsilon: the scores' scale before exp (the authors' code: 25)
@@ -72,6 +77,7 @@ class Orchestra(FedSSL):
     def check_options(cls, options: dict[str, Any]) -> None:
         super().check_options(options)
         check_choice(options, "global_clustering", GLOBAL_CLUSTERINGS)
+        check_bool(options, "seed_round")
         for key in ("kmeans_iters", "sinkhorn_iters", "gradient_steps", "gradient_sinkhorn_iters"):
             if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < 1:
                 raise ValueError(f"strategy.options.{key}: must be an integer >= 1 (got {options[key]!r})")
@@ -85,9 +91,14 @@ class Orchestra(FedSSL):
                 f"method.name: strategy 'orchestra' trains the Orchestra model (global centroids, rotation head, "
                 f"memory), so it needs method.name: orchestra (got {cfg.method.name!r})"
             )
+        if cfg.strategy.options.get("seed_round", True) and int(cfg.rounds) < 2:
+            raise ValueError(
+                f"rounds: {cfg.rounds} round(s) with strategy.options.seed_round true would train nothing (round 1 "
+                "only clusters, to seed the global centroids); set rounds >= 2, or seed_round: false"
+            )
         method = {**method_default_options("orchestra"), **cfg.method.options}
         per_round = int(cfg.federation.clients_per_round or cfg.federation.num_clients)
-        if cfg.strategy.options.get("global_clustering", "kmeans") == "kmeans":
+        if cfg.strategy.options.get("global_clustering", "gradient") == "kmeans":
             uploaded = per_round * int(method["num_local_clusters"])
             if uploaded < int(method["num_global_clusters"]):
                 raise ValueError(
@@ -105,6 +116,7 @@ class Orchestra(FedSSL):
         # Before the first global clustering: seeded random unit centroids (the model's centroid layer at init).
         self.global_centroids = random_unit_centroids(self.num_global, self.dim, cfg.seed).numpy().astype(np.float32)
         self._sent_centroids_sum: dict[int, float] = {}  # round -> checksum of the centroids sent with it
+        self._seed_round_model: ArrayRecord | None = None  # round 1's model with seed_round: kept, not averaged
         self.local_centroids_spec = array_spec(
             to_array_record({LOCAL_CENTROIDS: np.zeros((self.num_local, self.dim), dtype=np.float32)})
         )
@@ -113,6 +125,8 @@ class Orchestra(FedSSL):
     def arrays_for_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The global model plus the round's global centroids."""
         self._sent_centroids_sum[server_round] = float(self.global_centroids.astype(np.float64).sum())
+        if self.seeding(server_round):
+            self._seed_round_model = arrays
         return to_array_record({**from_array_record(arrays), GLOBAL_CENTROIDS: self.global_centroids})
 
     def expected_reply_arrays(self, server_round: int, partition_id: int):
@@ -143,12 +157,19 @@ class Orchestra(FedSSL):
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, server_round: int, replies: list[Message], clients: list[dict[str, Any]]) -> ArrayRecord:
         """FedAvg of the weights (the local centroids are left out), then the global clustering of all local
-        centroids (Algorithm 1, server)."""
+        centroids (Algorithm 2). In the seeding round nothing trained: the model sent is kept as it was."""
         states = [from_array_record(cast(ArrayRecord, r.content["arrays"])) for r in replies]
         local = [state.pop(LOCAL_CENTROIDS) for state in states]
-        averaged = to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
         self._clustering_record = self.cluster_globally(server_round, np.concatenate(local, axis=0))
-        return averaged
+        if self.seeding(server_round) and self._seed_round_model is not None:
+            self._clustering_record["seed_round"] = True
+            kept, self._seed_round_model = self._seed_round_model, None
+            return kept
+        return to_array_record(weighted_average(states, [c["num_examples"] for c in clients]))
+
+    def seeding(self, server_round: int) -> bool:
+        """Whether ``server_round`` only seeds the global centroids (``seed_round``: round 1)."""
+        return bool(self.options["seed_round"]) and server_round == 1
 
     def cluster_globally(self, server_round: int, local_centroids: np.ndarray) -> dict[str, Any]:
         """The next global centroids from the round's local centroids; returns what metrics.jsonl records."""

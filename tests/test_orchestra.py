@@ -16,12 +16,13 @@ from client_app.tasks import train_local_ssl
 from fedssl_wire import from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
-from ssl_models.factory import build_ssl_model, split_state, state_to_numpy
+from ssl_models.factory import build_augment, build_ssl_model, split_state, state_to_numpy
 from ssl_models.federated.orchestra import (
     balanced_kmeans,
     cluster_size_summary,
     gradient_clustering,
     rotate_quarter_turns,
+    seed_memory,
     sinkhorn_knopp,
 )
 from strategies import Orchestra as OrchestraStrategy
@@ -231,13 +232,14 @@ def test_client_round_uploads_unit_local_centroids_and_reports_terms(cfg):
         images,
         global_payload(cfg, centroids),
         None,
-        server_round=1,
+        server_round=2,
         partition_id=0,
         lr=0.05,
         aggregate_target=True,
         rule="orchestra",
         rule_options=strategy_options(),
     )
+    assert result.stats.steps == 1 and "seed_round" not in result.info  # round 2 trains (max_steps_per_epoch 1)
     local = result.shared_state["orchestra.local_centroids"]
     assert local.shape == (4, 16) and local.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(local, axis=1), 1.0, rtol=1e-5)
@@ -248,6 +250,58 @@ def test_client_round_uploads_unit_local_centroids_and_reports_terms(cfg):
     assert info["memory_filled"] == 16 and info["local_cluster_size_max"] <= 8
     assert info["loss_cluster"] > 0 and info["loss_degeneracy"] > 0 and 1 <= info["global_clusters_hit"] <= 8
     assert "orchestra.global_centroids" not in result.shared_state
+
+
+def test_seed_memory_holds_the_target_projections_of_view_one_and_changes_nothing_else(cfg):
+    images = (np.random.default_rng(1).random((20, 32, 32, 3)) * 255).astype(np.uint8)
+    augment = build_augment(cfg, 32)
+    method = build_ssl_model(cfg, seed=0)
+    before = state_to_numpy(method.state_dict())
+    seeded = seed_memory(method, images, augment, batch_size=16, seed=5, device="cpu")
+    # By hand: the first M = 16 images of the seeded shuffle, their views drawn with the same generator, and the
+    # target projections of view 1 of a fresh copy of the same model in training mode (batch statistics).
+    picked = np.sort(torch.randperm(20, generator=torch.Generator().manual_seed(5)).numpy()[:16])
+    view1, _ = augment.two_views(torch.from_numpy(images[picked]), generator=torch.Generator().manual_seed(5))
+    fresh = build_ssl_model(cfg, seed=0)
+    fresh.train()
+    expected = fresh.target_representations(view1)
+    assert int(method.memory_count) == 16 and seeded["images"] == 16
+    np.testing.assert_allclose(method.memory_bank().numpy(), expected.numpy(), rtol=1e-4, atol=1e-5)
+    after = state_to_numpy(method.state_dict())
+    for key, value in before.items():  # weights and BatchNorm statistics as received: nothing trained
+        if key not in ("memory", "memory_count"):
+            np.testing.assert_array_equal(after[key], value, err_msg=key)
+    summary = method.loss_summary()
+    assert seeded["loss"] == pytest.approx(summary["loss_cluster"] + summary["loss_degeneracy"], rel=1e-5)
+
+
+def test_seed_round_trains_nothing_and_uploads_centroids_of_the_received_model(cfg):
+    centroids = torch.nn.functional.normalize(torch.randn(8, 16), dim=1).numpy()
+    images = (np.random.default_rng(0).random((24, 32, 32, 3)) * 255).astype(np.uint8)
+    payload = global_payload(cfg, centroids)
+    result = train_local_ssl(
+        cfg,
+        images,
+        payload,
+        None,
+        server_round=1,
+        partition_id=0,
+        lr=0.05,
+        aggregate_target=True,
+        rule="orchestra",
+        rule_options=strategy_options(),  # seed_round: true by default
+    )
+    assert result.info["seed_round"] == 1.0 and result.stats.steps == 0 and result.stats.num_examples == 24
+    for key, value in payload.items():
+        if not key.startswith("orchestra."):  # the weights go back exactly as they came
+            np.testing.assert_array_equal(result.shared_state[key], value, err_msg=key)
+    local = result.shared_state["orchestra.local_centroids"]
+    assert local.shape == (4, 16) and result.info["memory_filled"] == 16
+    np.testing.assert_allclose(np.linalg.norm(local, axis=1), 1.0, rtol=1e-5)
+    res = result.stats.resources
+    # No image trained; the seeding forwards (16 images) are the round's extra FLOPs.
+    assert res["images_trained"] == 0 and res["flops_extra"] == pytest.approx(16 * res["flops_forward"])
+    assert math.isfinite(result.stats.loss) and result.stats.loss > 0
 
 
 def test_upload_refuses_a_memory_smaller_than_the_local_clusters(cfg):
@@ -272,7 +326,7 @@ def prepared_strategy(cfg, **options):
 
 
 def test_strategy_averages_weights_and_clusters_centroids_globally(cfg):
-    strategy = prepared_strategy(cfg)
+    strategy = prepared_strategy(cfg, global_clustering="kmeans", seed_round=False)
     initial = strategy.global_centroids.copy()
     sent = from_array_record(strategy.arrays_for_round(1, to_array_record({"backbone.w": np.zeros(2, np.float32)})))
     np.testing.assert_array_equal(sent["orchestra.global_centroids"], initial)  # travels with the round's model
@@ -302,6 +356,41 @@ def test_strategy_averages_weights_and_clusters_centroids_globally(cfg):
     np.testing.assert_array_equal(fresh.global_centroids, new)
 
 
+def test_seed_round_keeps_the_model_and_clusters_by_the_code_form(cfg):
+    strategy = prepared_strategy(cfg)  # the defaults: seed_round, global_clustering gradient
+    assert strategy.options["seed_round"] is True and strategy.options["global_clustering"] == "gradient"
+    start = {"backbone.w": np.array([2.0, -1.0], np.float32)}
+    strategy.arrays_for_round(1, to_array_record(start))
+    rng = np.random.default_rng(1)
+    local = rng.standard_normal((8, 16)).astype(np.float32)
+    local /= np.linalg.norm(local, axis=1, keepdims=True)
+    replies = [
+        FakeReply({"backbone.w": np.array([1.0, 3.0], np.float32), "orchestra.local_centroids": local[:4]}),
+        FakeReply({"backbone.w": np.array([4.0, 0.0], np.float32), "orchestra.local_centroids": local[4:]}),
+    ]
+    clients = [{"num_examples": 1}, {"num_examples": 2}]
+    initial = strategy.global_centroids.copy()
+    kept = from_array_record(strategy.aggregate(1, replies, clients))
+    np.testing.assert_array_equal(kept["backbone.w"], start["backbone.w"])  # the seeding round averages nothing
+    assert strategy._clustering_record["seed_round"] is True
+    assert strategy._clustering_record["global_clustering"] == "gradient"
+    expected = gradient_clustering(
+        torch.as_tensor(local),
+        torch.as_tensor(initial),
+        steps=500,
+        lr=0.01,
+        temperature=0.1,
+        sinkhorn_iterations=100,
+        inverse_epsilon=25.0,
+    )
+    np.testing.assert_allclose(strategy.global_centroids, expected.numpy(), rtol=1e-5, atol=1e-6)
+    # Round 2 trains: FedAvg again.
+    strategy.arrays_for_round(2, to_array_record(start))
+    averaged = from_array_record(strategy.aggregate(2, replies, clients))
+    np.testing.assert_allclose(averaged["backbone.w"], [(1 + 8) / 3, 3 / 3])
+    assert "seed_round" not in strategy._clustering_record
+
+
 def test_strategy_reply_spec_and_payload_check(cfg):
     strategy = prepared_strategy(cfg)
     strategy._upload_spec[1] = {"backbone.w": ((2,), "float32")}
@@ -319,13 +408,24 @@ def test_strategy_options_and_method_requirement(tmp_path):
         ({"global_clustering": "agglomerative"}, "global_clustering"),
         ({"kmeans_iters": 0}, "kmeans_iters"),
         ({"sinkhorn_inverse_epsilon": 0.0}, "sinkhorn_inverse_epsilon"),
+        ({"seed_round": "yes"}, "seed_round"),
     ):
         with pytest.raises(ValueError, match=rf"^strategy.options.{key}:"):
             OrchestraStrategy.check_options(strategy_options(**bad))
     raw = yaml.safe_load((REPO / "configs/smoke-orchestra.yaml").read_text())
     for change, message in (
         (lambda r: r.update(method={"name": "byol"}), r"^method.name: strategy 'orchestra' .* needs method.name"),
-        (lambda r: r["method"]["options"].update(num_global_clusters=32), r"^method.options.num_global_clusters:"),
+        (
+            lambda r: (
+                r["method"]["options"].update(num_global_clusters=32),
+                r["strategy"].update(options={"global_clustering": "kmeans"}),
+            ),
+            r"^method.options.num_global_clusters:",
+        ),
+        (
+            lambda r: r.update(rounds=1),
+            r"^rounds: 1 round\(s\) with strategy.options.seed_round true would train nothing",
+        ),
     ):
         bad = json.loads(json.dumps(raw))
         change(bad)
@@ -352,9 +452,11 @@ def test_orchestra_smoke_run_clusters_globally_and_records_it(tmp_path, monkeypa
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2]
+    # Round 1 only seeds the global centroids (the clients train nothing); round 2 trains.
+    assert rounds[0]["seed_round"] is True and "seed_round" not in rounds[1]
     for r in rounds:
-        # Global clustering of 2 clients x 8 local centroids into 4 equal-size clusters, recorded per round.
-        assert r["global_clustering"] == "kmeans" and r["num_local_centroids"] == 16 and r["num_global_clusters"] == 4
+        # Global clustering (the code's gradient form) of 2 clients x 8 local centroids into 4, recorded per round.
+        assert r["global_clustering"] == "gradient" and r["num_local_centroids"] == 16 and r["num_global_clusters"] == 4
         assert 1 <= r["global_clusters_used"] <= 4 and r["global_cluster_size_max"] >= 4  # 16 centroids into 4
         assert r["loss_cluster"] > 0 and r["loss_degeneracy"] > 0 and 0 <= r["rotation_acc"] <= 1
         assert r["train_loss"] == pytest.approx(r["loss_cluster"] + r["loss_degeneracy"], rel=1e-4)
@@ -365,7 +467,11 @@ def test_orchestra_smoke_run_clusters_globally_and_records_it(tmp_path, monkeypa
         for c in r["clients"]:  # every client trained against exactly the centroids the server sent
             assert c["global_centroids_sum"] == pytest.approx(r["global_centroids_sent_sum"], abs=1e-6)
             assert c["memory_filled"] == 64 and c["local_cluster_size_min"] <= 8 <= c["local_cluster_size_max"]
-            assert c["flops_total"] > 0 and c["images_trained"] > 0
+            assert c["flops_total"] > 0
+            if r["round"] == 1:
+                assert c["images_trained"] == 0 and c["flops_extra"] > 0 and c["seed_round"] == 1.0
+            else:
+                assert c["images_trained"] > 0
     # Round 2 trains against the global clustering of round 1's local centroids, not the initial random ones.
     assert rounds[1]["global_centroids_sent_sum"] != pytest.approx(rounds[0]["global_centroids_sent_sum"], abs=1e-3)
     summary = json.loads((out / "summary.json").read_text())

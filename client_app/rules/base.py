@@ -34,6 +34,9 @@ class ClientRule:
       local step's loss (built once per round, after the download).
     - ``upload_extra(method, images, cfg, options, device, info) -> dict of arrays``: uploaded next to the shared
       weights, under names that start with the rule's own prefix (``"<name>."``), after local training.
+    - ``replaces_training(method, images, cfg, options, device, *, server_round, seed) -> TrainStats | None``: a
+      round the rule runs instead of local training (Orchestra's seeding round), returning its stats (steps 0
+      where nothing trained); None: the round trains as usual.
     """
 
     name: str
@@ -41,6 +44,7 @@ class ClientRule:
     keeps: str = "own"
     loss_term: Callable[..., Callable | None] | None = None
     upload_extra: Callable[..., dict[str, np.ndarray]] | None = None
+    replaces_training: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.keeps not in KEEPS:

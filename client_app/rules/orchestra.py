@@ -4,6 +4,8 @@
   averaged target model too: the authors' code's stateless clients), plus the round's global centroids, which arrive
   next to the weights as ``orchestra.global_centroids``; the memory starts empty every round;
 - local training: the method's loss (cluster assignment to the global centroids + rotation degeneracy term);
+  with the strategy's ``seed_round`` (the authors' code) round 1 trains nothing instead: the memory is filled with
+  the target projections of the first M images (``replaces_training``), so that the first centroids come from data;
 - ``upload_extra``: the local clustering of the memory of target representations into N_L equally sized clusters
   (Sinkhorn-Knopp K-means), uploaded as ``orchestra.local_centroids`` (N_L, D).
 
@@ -18,7 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssl_models.federated.orchestra import balanced_kmeans, cluster_size_summary
+from ssl_models.factory import build_augment
+from ssl_models.federated.orchestra import balanced_kmeans, cluster_size_summary, seed_memory
+from ssl_models.training import TrainStats
 
 from .base import ClientRule, register
 from .fedssl_family import fedssl_download
@@ -38,7 +42,41 @@ def orchestra_download(method, global_state, client_state, server_round, options
     method.reset_memory()  # the memory holds this round's target representations only
     method.reset_loss_log()
     # A checksum of the centroids trained against, which the server compares with those it sent (metrics.jsonl).
-    return {**info, "global_centroids_sum": float(received.astype(np.float64).sum())}
+    info = {**info, "global_centroids_sum": float(received.astype(np.float64).sum())}
+    if options.get("seed_round") and server_round == 1:
+        info["seed_round"] = 1.0  # this round trains nothing (orchestra_seed_round)
+    return info
+
+
+def orchestra_seed_round(method, images, cfg, options, device, *, server_round: int, seed: int) -> TrainStats | None:
+    """Round 1 with ``seed_round``: no training step, the memory filled from the first M images (``seed_memory``);
+    the round's stats say so (steps 0, no image trained; the seeding forwards counted as the round's extra FLOPs).
+    Every other round: None (local training as usual)."""
+    if not (options.get("seed_round") and server_round == 1):
+        return None
+    from client_app.tasks import local_step_resources  # the ClientApp's tasks import the rules: not at import
+
+    per_step = local_step_resources(cfg, method, images, device)
+    seeded = seed_memory(
+        method,
+        images,
+        build_augment(cfg, int(np.shape(images)[1])),
+        batch_size=cfg.train.batch_size,
+        seed=seed,
+        device=device,
+    )
+    resources = {**per_step, "images_trained": 0.0}
+    if per_step.get("flops_forward") is not None:
+        resources["flops_extra"] = float(per_step["flops_forward"]) * seeded["images"]
+    return TrainStats(
+        loss=seeded["loss"],
+        num_examples=int(np.shape(images)[0]),
+        steps=0,
+        seconds=seeded["seconds"],
+        images_per_s=seeded["images"] / max(seeded["seconds"], 1e-9),
+        precision="fp32",
+        resources=resources,
+    )
 
 
 def orchestra_upload(method, images, cfg, options, device, info) -> dict[str, np.ndarray]:
@@ -72,4 +110,12 @@ def orchestra_upload(method, images, cfg, options, device, info) -> dict[str, np
     return {LOCAL_CENTROIDS: centroids.detach().cpu().numpy().astype(np.float32)}
 
 
-register(ClientRule("orchestra", orchestra_download, keeps="own", upload_extra=orchestra_upload))
+register(
+    ClientRule(
+        "orchestra",
+        orchestra_download,
+        keeps="own",
+        upload_extra=orchestra_upload,
+        replaces_training=orchestra_seed_round,
+    )
+)

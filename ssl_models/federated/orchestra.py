@@ -7,13 +7,17 @@
 - ``gradient_clustering``: the authors' code's server-side clustering (Genevay et al., 2019): centroids trained by
   SGD so that their softmax assignments match the Sinkhorn-Knopp ones (``global_clustering: gradient``);
 - ``rotate_quarter_turns``: the degeneracy regulariser's input, each image turned by k x 90 degrees;
-- ``cluster_size_summary``: how evenly points spread over clusters (for metrics.jsonl).
+- ``cluster_size_summary``: how evenly points spread over clusters (for metrics.jsonl);
+- ``seed_memory``: the first round's memory without training (the authors' code's seeding round).
 
 All inputs are torch tensors on any device; every point and centroid lives on the unit sphere.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -127,3 +131,42 @@ def cluster_size_summary(assignments: torch.Tensor, num_clusters: int) -> dict[s
         "size_max": float(sizes.max()),
         "size_std": float(sizes.std(unbiased=False)),
     }
+
+
+@torch.no_grad()
+def seed_memory(method, images, augment, *, batch_size: int, seed: int, device) -> dict[str, float]:
+    """Orchestra's first round as the authors' code runs it: no training step; the memory is filled with the
+    target projections of view 1 of the first M images of a seeded shuffle, so that the first local (and global)
+    centroids come from data instead of random vectors.
+
+    ``method`` is an Orchestra model, ``images`` NHWC uint8 (array or memory map), ``augment`` an ``SSLAugment``.
+    The batches run through ``method.training_step`` without gradients, in training mode as local training does
+    (batch statistics); every weight and buffer but the memory is put back afterwards (the authors' code restores
+    its BatchNorm statistics), so only the memory and the loss log change. Returns the mean loss of the received
+    model over those batches, the images seen and the seconds taken.
+    """
+    device = torch.device(device)
+    n = int(np.shape(images)[0])
+    size = int(method.memory.shape[0])
+    keep = {name: value.detach().clone() for name, value in method.state_dict().items()}
+    augment = augment.to(device)
+    method.to(device)
+    method.train()
+    method.reset_memory()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    bs = max(2, min(int(batch_size), n))
+    start = time.perf_counter()
+    losses, seen, wanted = [], 0, min(size, n)
+    while wanted - seen >= 2:  # one image left over cannot form a batch of pairs; its slot stays empty
+        picked = np.sort(order[seen : seen + min(bs, wanted - seen)])
+        seen += len(picked)
+        batch = torch.from_numpy(np.ascontiguousarray(images[picked])).to(device)
+        view1, view2 = augment.two_views(batch, generator=generator)
+        losses.append(float(method.training_step(view1, view2)))
+    seconds = time.perf_counter() - start
+    memory_names = ("memory", "memory_count")
+    method.load_state_dict({k: v for k, v in keep.items() if k not in memory_names}, strict=False)
+    if not losses:
+        raise ValueError(f"orchestra: {n} image(s) cannot seed the memory (a pair of views needs 2)")
+    return {"loss": sum(losses) / len(losses), "images": float(seen), "seconds": seconds}
