@@ -244,8 +244,9 @@ def test_paper_study_holds_the_authors_setup():
         100,
         10,
         10,
-        128,
+        64,  # the code's batch_size 128 = a training batch of 64 + a random anchor batch of 64
     )
+    assert fedx.train.lr_schedule == "constant"  # the code keeps lr 0.01
     assert (fedx.data.partition, fedx.data.alpha, fedx.train.lr, fedx.train.weight_decay) == (
         "dirichlet",
         0.5,
