@@ -114,7 +114,10 @@ def run_estimate(cfg, assumed: Assumptions) -> dict[str, float]:
     if t.max_steps_per_epoch:
         per_client = min(per_client, t.max_steps_per_epoch * t.batch_size)
     central = cfg.strategy.name == "central"
-    trained = cfg.rounds * t.local_epochs * (held if central else per_round_clients * per_client)
+    # Orchestra's first round only seeds its centroids (strategy.options.seed_round, on by default): nothing trains.
+    seeding = cfg.strategy.name == "orchestra" and cfg.strategy.options.get("seed_round", True) is not False
+    trained_rounds = cfg.rounds - 1 if seeding else cfg.rounds
+    trained = trained_rounds * t.local_epochs * (held if central else per_round_clients * per_client)
     eval_images = min(e.max_train or assumed.train_images, assumed.train_images) + min(
         e.max_test or assumed.test_images, assumed.test_images
     )

@@ -99,6 +99,11 @@ def test_a_run_estimate_counts_the_images_of_the_config_and_the_fixed_costs():
     assert est["seconds"] == pytest.approx(est["flops"] / 1e12 + 10 + 3 * 3)
     central = validate_experiment(merge_config(tree, {"strategy": {"_replace": True, "name": "central"}}))
     assert run_estimate(central, a)["images_trained"] == 3 * 400  # the union of the clients' images
+    orchestra = merge_config(load_config_tree(REPO / "configs" / "smoke-orchestra.yaml"), {"rounds": 3})
+    # Orchestra's round 1 only seeds the centroids: 2 of the 3 rounds train (400 images over 2 clients).
+    assert run_estimate(validate_experiment(orchestra), a)["images_trained"] == 2 * 1 * 2 * 200
+    no_seeding = merge_config(orchestra, {"strategy.options.seed_round": False})
+    assert run_estimate(validate_experiment(no_seeding), a)["images_trained"] == 3 * 1 * 2 * 200
 
 
 def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
