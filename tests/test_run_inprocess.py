@@ -16,7 +16,9 @@ import server_app.app as server_module
 import server_app.results as results_module
 from client_app.app import app as client_app
 from fedssl_wire import from_array_record, to_array_record
-from test_server_app import ClientAppGrid, simulated_clientapps, task_identity  # noqa: F401 - autouse fixtures
+from test_server_app import ClientAppGrid, simulated_clientapps  # noqa: F401 - an autouse fixture
+
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 BASE = {
     "name": "inprocess",

@@ -16,7 +16,9 @@ import server_app.results as results_module
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.datasets import load_npz
 from ssl_models.data.preflight import NOTHING_SCORED, check_experiment_data
-from test_server_app import ClientAppGrid, simulated_clientapps, task_identity  # noqa: F401 - autouse fixtures
+from test_server_app import ClientAppGrid, simulated_clientapps  # noqa: F401 - an autouse fixture
+
+pytestmark = pytest.mark.usefixtures("task_identity")  # messages are built outside a run
 
 
 def images(n: int, side: int = 16, seed: int = 0) -> np.ndarray:
