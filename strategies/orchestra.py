@@ -32,6 +32,7 @@ from ssl_models.federated.orchestra import (
     balanced_kmeans,
     cluster_size_summary,
     gradient_clustering,
+    is_seeding_round,
     random_unit_centroids,
 )
 from ssl_models.methods import method_default_options
@@ -169,7 +170,7 @@ class Orchestra(FedSSL):
 
     def seeding(self, server_round: int) -> bool:
         """Whether ``server_round`` only seeds the global centroids (``seed_round``: round 1)."""
-        return bool(self.options["seed_round"]) and server_round == 1
+        return is_seeding_round(self.options, server_round)
 
     def cluster_globally(self, server_round: int, local_centroids: np.ndarray) -> dict[str, Any]:
         """The next global centroids from the round's local centroids; returns what metrics.jsonl records."""

@@ -21,6 +21,7 @@ from ssl_models.federated.orchestra import (
     balanced_kmeans,
     cluster_size_summary,
     gradient_clustering,
+    is_seeding_round,
     rotate_quarter_turns,
     seed_memory,
     sinkhorn_knopp,
@@ -273,6 +274,14 @@ def test_seed_memory_holds_the_target_projections_of_view_one_and_changes_nothin
             np.testing.assert_array_equal(after[key], value, err_msg=key)
     summary = method.loss_summary()
     assert seeded["loss"] == pytest.approx(summary["loss_cluster"] + summary["loss_degeneracy"], rel=1e-5)
+
+
+def test_only_round_1_with_seed_round_on_is_a_seeding_round():
+    # the one test the server (keeps the model) and the client (fills its memory) both ask
+    assert is_seeding_round({"seed_round": True}, 1) is True
+    assert [is_seeding_round({"seed_round": True}, r) for r in (0, 2, 13)] == [False, False, False]
+    assert is_seeding_round({"seed_round": False}, 1) is False
+    assert is_seeding_round({}, 1) is False  # a client rule given no strategy options trains
 
 
 def test_seed_round_trains_nothing_and_uploads_centroids_of_the_received_model(cfg):

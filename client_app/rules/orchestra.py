@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ssl_models.factory import build_augment
-from ssl_models.federated.orchestra import balanced_kmeans, cluster_size_summary, seed_memory
+from ssl_models.federated.orchestra import balanced_kmeans, cluster_size_summary, is_seeding_round, seed_memory
 from ssl_models.training import TrainStats
 
 from .base import ClientRule, register
@@ -43,7 +43,7 @@ def orchestra_download(method, global_state, client_state, server_round, options
     method.reset_loss_log()
     # A checksum of the centroids trained against, which the server compares with those it sent (metrics.jsonl).
     info = {**info, "global_centroids_sum": float(received.astype(np.float64).sum())}
-    if options.get("seed_round") and server_round == 1:
+    if is_seeding_round(options, server_round):
         info["seed_round"] = 1.0  # this round trains nothing (orchestra_seed_round)
     return info
 
@@ -52,7 +52,7 @@ def orchestra_seed_round(method, images, cfg, options, device, *, server_round: 
     """Round 1 with ``seed_round``: no training step, the memory filled from the first M images (``seed_memory``);
     the round's stats say so (steps 0, no image trained; the seeding forwards counted as the round's extra FLOPs).
     Every other round: None (local training as usual)."""
-    if not (options.get("seed_round") and server_round == 1):
+    if not is_seeding_round(options, server_round):
         return None
     from client_app.tasks import local_step_resources  # the ClientApp's tasks import the rules: not at import
 

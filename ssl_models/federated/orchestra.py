@@ -8,6 +8,7 @@
   SGD so that their softmax assignments match the Sinkhorn-Knopp ones (``global_clustering: gradient``);
 - ``rotate_quarter_turns``: the degeneracy regulariser's input, each image turned by k x 90 degrees;
 - ``cluster_size_summary``: how evenly points spread over clusters (for metrics.jsonl);
+- ``is_seeding_round``: whether a round only seeds the global centroids (the server's and the client's one test);
 - ``seed_memory``: the first round's memory without training (the authors' code's seeding round).
 
 All inputs are torch tensors on any device; every point and centroid lives on the unit sphere.
@@ -131,6 +132,13 @@ def cluster_size_summary(assignments: torch.Tensor, num_clusters: int) -> dict[s
         "size_max": float(sizes.max()),
         "size_std": float(sizes.std(unbiased=False)),
     }
+
+
+def is_seeding_round(strategy_options, server_round: int) -> bool:
+    """Whether ``server_round`` trains nothing and only seeds the global centroids from data: round 1 when the
+    strategy's ``seed_round`` is on (the authors' code). The server keeps that round's model and clusters the
+    uploaded centroids; the client fills its memory (``seed_memory``) instead of training."""
+    return bool(strategy_options.get("seed_round")) and int(server_round) == 1
 
 
 @torch.no_grad()
