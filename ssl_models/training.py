@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ssl_models.data.augment import SSLAugment
+from ssl_models.data.rows import ImageRows, read_on_access, read_rows
 from ssl_models.optimizers import LocalOptimizer, build_local_optimizer
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ class CompiledStep:
 
 def train_ssl(
     method: SSLMethod,
-    images: np.ndarray | torch.Tensor,
+    images: np.ndarray | torch.Tensor | ImageRows,
     *,
     epochs: int,
     batch_size: int,
@@ -204,14 +205,16 @@ def train_ssl(
     ``loss_hook(method)`` returns an extra loss term added to every step (FedProx, alignment terms);
     ``epoch_hook(method, epoch)`` runs at the start of every local epoch (Hetero-SSFL recomputes its RAD
     representations there).
-    The images are moved to the device once; every batch is augmented there into two views.
+    Images held in memory are moved to the device once, images on disk (a memory map, ``ImageRows``) a batch at a
+    time; every batch is augmented there into two views.
     ``compile_backend`` (e.g. "inductor"): the step through ``torch.compile``, eager where that fails.
     """
     device = torch.device(device) if isinstance(device, str) else device
     fp = fast_path_for(device, fast_path)
-    # Images memory-mapped from the decoded cache on disk (a folder's, a node's own data) are read a batch at a time,
-    # so that the process's memory does not grow with their number; the others are moved to the device once.
-    streamed = isinstance(images, np.memmap)
+    # Images memory-mapped from the decoded cache on disk (a folder's, a node's own data, a large partition of one)
+    # are read a batch at a time, so that the process's memory does not grow with their number; the others are moved
+    # to the device once.
+    streamed = read_on_access(images)
     shape, dtype = tuple(images.shape), images.dtype
     if len(shape) != 4 or shape[-1] != 3 or dtype not in (np.uint8, torch.uint8):
         raise ValueError(f"images: expected NHWC uint8 with 3 channels, got {shape} {dtype}")
@@ -223,8 +226,8 @@ def train_ssl(
     def rows(picked: torch.Tensor) -> torch.Tensor:
         if x is not None:
             return x[picked]
-        in_file_order = np.sort(picked.cpu().numpy())  # sequential reads of the mapped file
-        return torch.from_numpy(np.ascontiguousarray(images[in_file_order])).to(device, non_blocking=True)
+        # read in file order, in the permutation's order: the same batch as the images held in memory give
+        return torch.from_numpy(read_rows(images, picked.cpu().numpy())).to(device, non_blocking=True)
 
     # A partition smaller than one batch still trains (one step per epoch on everything it has).
     bs = min(batch_size, n)

@@ -39,3 +39,27 @@ def test_memory_mapped_images_are_read_a_batch_at_a_time(tmp_path):
     in_memory = train_ssl(build_ssl_model(cfg, seed=0), images, **common)
     assert streamed.steps == in_memory.steps == 10
     assert np.isfinite(streamed.loss) and torch.isfinite(torch.tensor(in_memory.loss))
+
+
+def test_a_partition_of_a_memory_map_trains_from_disk_exactly_as_its_copy_in_memory(tmp_path):
+    """A simulated client's large partition of a folder's cache (``ImageRows``) is read a batch at a time, and the
+    batches are the ones its in-memory copy gives: same steps, same loss, same weights."""
+    from ssl_models.data.rows import ImageRows
+
+    images = np.random.default_rng(1).integers(0, 256, size=(60, 16, 16, 3), dtype=np.uint8)
+    path = tmp_path / "x.npy"
+    np.save(path, images)
+    mapped = np.load(path, mmap_mode="r").view(CountingMemmap)
+    partition = np.sort(np.random.default_rng(2).permutation(60)[:24])
+    cfg = ExperimentConfig.from_dict(
+        {"model": {"arch": "resnet18", "width": 0.125}, "method": {"name": "simclr", "options": {"proj_out_dim": 8}}}
+    )
+    common = {"epochs": 2, "batch_size": 8, "lr": 1e-3, "optimizer": "adam", "seed": 3, "fast_path": False}
+    CountingMemmap.reads = []
+    on_disk, held = build_ssl_model(cfg, seed=0), build_ssl_model(cfg, seed=0)
+    streamed = train_ssl(on_disk, ImageRows(mapped, partition), **common)
+    assert CountingMemmap.reads == [8] * 6  # 3 batches per epoch, 2 epochs, never the whole partition
+    in_memory = train_ssl(held, images[partition], **common)
+    assert streamed.steps == in_memory.steps == 6 and streamed.loss == in_memory.loss
+    for (name, a), b in zip(on_disk.state_dict().items(), held.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -20,6 +20,7 @@ import numpy as np
 from ssl_models.config import FOLDER_IMAGE_SIZE, ExperimentConfig
 from ssl_models.data.datasets import ImageData, load_dataset, subsample
 from ssl_models.data.partition import partition_indices, public_split
+from ssl_models.data.rows import ImageRows, select_rows
 
 
 @dataclass(frozen=True)
@@ -89,20 +90,22 @@ def _compute_split(key: tuple, labels: np.ndarray) -> FederatedSplit:
     return FederatedSplit(public_idx=np.sort(public), client_idx=tuple(np.sort(used[p]) for p in parts))
 
 
-def client_images(cfg: ExperimentConfig, partition_id: int, data: ImageData | None = None) -> np.ndarray:
-    """The training images of one client (NHWC uint8)."""
+def client_images(cfg: ExperimentConfig, partition_id: int, data: ImageData | None = None) -> np.ndarray | ImageRows:
+    """The training images of one client (NHWC uint8); a large partition of a memory-mapped data set (a folder's
+    cache) stays on disk, read a batch at a time (``select_rows``), so client memory does not grow with it."""
     n = cfg.federation.num_clients
     if not 0 <= partition_id < n:
         raise ValueError(f"partition-id {partition_id} out of range for {n} clients")
     data = data or load_experiment_data(cfg)
-    return data.x_train[federated_split(cfg, data.y_train).client_idx[partition_id]]
+    return select_rows(data.x_train, federated_split(cfg, data.y_train).client_idx[partition_id])
 
 
-def union_images(cfg: ExperimentConfig, data: ImageData | None = None) -> np.ndarray:
-    """The union of every client's training images (the centralized reference trains on it), in index order."""
+def union_images(cfg: ExperimentConfig, data: ImageData | None = None) -> np.ndarray | ImageRows:
+    """The union of every client's training images (the centralized reference trains on it), in index order; on
+    disk when large, as ``client_images``."""
     data = data or load_experiment_data(cfg)
     split = federated_split(cfg, data.y_train)
-    return data.x_train[np.sort(np.concatenate(split.client_idx))]
+    return select_rows(data.x_train, np.sort(np.concatenate(split.client_idx)))
 
 
 def public_images(cfg: ExperimentConfig, data: ImageData | None = None, source: str = "split") -> np.ndarray:
