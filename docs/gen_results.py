@@ -55,7 +55,11 @@ STUDIES = (
         "configs/studies/cpu/default.yaml",
         "The default experiment (FedSimCLR) and its centralized reference",
     ),
-    Study("fedema-family-cpu", "configs/studies/cpu/fedema-family.yaml", "FedBYOL, FedU and FedEMA"),
+    Study(
+        "fedema-family-cpu",
+        "configs/studies/cpu/fedema-family.yaml",
+        "FedBYOL, FedU and FedEMA, with L-DAWA, FedX, Orchestra and FedU2",
+    ),
     Study("flesd-cpu", "configs/studies/cpu/flesd.yaml", "FLESD against FedAvg (SimCLR)"),
     Study(
         "lwfedssl-cpu",
