@@ -21,13 +21,13 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
 from ssl_models.data.augment import SSLAugment
-from ssl_models.data.rows import ImageRows, read_on_access, read_rows
+from ssl_models.data.rows import ImageRows, read_rows
 from ssl_models.optimizers import LocalOptimizer, build_local_optimizer
 
 if TYPE_CHECKING:
@@ -214,20 +214,20 @@ def train_ssl(
     # Images memory-mapped from the decoded cache on disk (a folder's, a node's own data, a large partition of one)
     # are read a batch at a time, so that the process's memory does not grow with their number; the others are moved
     # to the device once.
-    streamed = read_on_access(images)
+    on_disk = images if isinstance(images, (np.memmap, ImageRows)) else None
     shape, dtype = tuple(images.shape), images.dtype
     if len(shape) != 4 or shape[-1] != 3 or dtype not in (np.uint8, torch.uint8):
         raise ValueError(f"images: expected NHWC uint8 with 3 channels, got {shape} {dtype}")
     n = int(shape[0])
     if n < 2:
         raise ValueError(f"images: need at least 2 images to train, got {n}")
-    x = None if streamed else torch.as_tensor(images).to(device)
+    x = None if isinstance(images, (np.memmap, ImageRows)) else torch.as_tensor(images).to(device)
 
     def rows(picked: torch.Tensor) -> torch.Tensor:
-        if x is not None:
-            return x[picked]
+        if on_disk is None:
+            return cast(torch.Tensor, x)[picked]
         # read in file order, in the permutation's order: the same batch as the images held in memory give
-        return torch.from_numpy(read_rows(images, picked.cpu().numpy())).to(device, non_blocking=True)
+        return torch.from_numpy(read_rows(on_disk, picked.cpu().numpy())).to(device, non_blocking=True)
 
     # A partition smaller than one batch still trains (one step per epoch on everything it has).
     bs = min(batch_size, n)

@@ -86,8 +86,3 @@ def select_rows(images: np.ndarray, index: np.ndarray) -> np.ndarray | ImageRows
     if isinstance(images, np.memmap) and index.size * row_bytes > ON_DISK_ROWS_ABOVE_BYTES:
         return ImageRows(images, index)
     return images[index]
-
-
-def read_on_access(images: Any) -> bool:
-    """Whether ``images`` is read from disk a batch at a time (a memory map, or rows of one) rather than held."""
-    return isinstance(images, (np.memmap, ImageRows))
