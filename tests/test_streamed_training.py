@@ -1,5 +1,6 @@
-"""Images memory-mapped from the decoded cache (a folder, a node's own data) train a batch at a time: the training
-loop never reads more rows of the mapped file at once than a batch, and the run trains as an in-memory one does."""
+"""Images memory-mapped from the decoded cache (a folder, a node's own data, a simulated client's large share of
+one) train a batch at a time: the training loop never reads more rows of the mapped file at once than a batch, and
+the run is the one the same images in memory give."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_memory_mapped_images_are_read_a_batch_at_a_time(tmp_path):
     assert CountingMemmap.reads == [8] * 10  # 5 batches per epoch, 2 epochs, never the whole file
     in_memory = train_ssl(build_ssl_model(cfg, seed=0), images, **common)
     assert streamed.steps == in_memory.steps == 10
-    assert np.isfinite(streamed.loss) and torch.isfinite(torch.tensor(in_memory.loss))
+    # each batch read from disk in the shuffled order the in-memory copy gives: the same run
+    assert np.isfinite(streamed.loss) and streamed.loss == in_memory.loss
 
 
 def test_a_partition_of_a_memory_map_trains_from_disk_exactly_as_its_copy_in_memory(tmp_path):
@@ -54,12 +56,12 @@ def test_a_partition_of_a_memory_map_trains_from_disk_exactly_as_its_copy_in_mem
     cfg = ExperimentConfig.from_dict(
         {"model": {"arch": "resnet18", "width": 0.125}, "method": {"name": "simclr", "options": {"proj_out_dim": 8}}}
     )
-    common = {"epochs": 2, "batch_size": 8, "lr": 1e-3, "optimizer": "adam", "seed": 3, "fast_path": False}
+    common = {"epochs": 1, "batch_size": 8, "lr": 1e-3, "optimizer": "adam", "seed": 3, "fast_path": False}
     CountingMemmap.reads = []
     on_disk, held = build_ssl_model(cfg, seed=0), build_ssl_model(cfg, seed=0)
     streamed = train_ssl(on_disk, ImageRows(mapped, partition), **common)
-    assert CountingMemmap.reads == [8] * 6  # 3 batches per epoch, 2 epochs, never the whole partition
+    assert CountingMemmap.reads == [8] * 3  # 3 batches, never the whole partition
     in_memory = train_ssl(held, images[partition], **common)
-    assert streamed.steps == in_memory.steps == 6 and streamed.loss == in_memory.loss
+    assert streamed.steps == in_memory.steps == 3 and streamed.loss == in_memory.loss
     for (name, a), b in zip(on_disk.state_dict().items(), held.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
