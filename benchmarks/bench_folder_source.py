@@ -9,9 +9,10 @@ compress like photos rather than like pure noise) into ``--classes`` class subfo
   reading every image once through the mapping, images/s;
 * the same images as an ``.npz`` (written with numpy.savez, or savez_compressed with ``--npz-compressed``) loaded with
   ``ssl_models.data.datasets.load_npz`` without the decoded cache (the whole archive read into memory), images/s;
-* memory of a client: a process that loads the data and reads a client's share (``--share`` of the images, seeded
-  random order, batches of ``--batch``) through the folder's memory mapping, against one that holds the whole array
-  in memory (the .npz without the decoded cache). Reported: the peak resident set (VmHWM) and, at the end, its
+* memory of a client: a process that loads the data, selects a client's share (``--share`` of the images) as a
+  simulated client's partition is selected (``ssl_models.data.rows.select_rows``: on disk through the folder's memory
+  mapping, a copy of the share where the whole array is in memory, the .npz without the decoded cache) and reads it
+  in seeded random batches of ``--batch``. Reported: the peak resident set (VmHWM) and, at the end, its
   anonymous part (the process's own memory) and its file-backed part (mapped pages of the cache file: page cache
   that every client process on the machine shares and that the kernel can reclaim).
 
@@ -88,16 +89,21 @@ def memory_status() -> dict[str, int]:
 
 
 def read_share(images: np.ndarray, share: float, batch: int, seed: int) -> tuple[int, float]:
-    """Read a client's share of the images in random batches, as a training loop indexes them; (images, seconds)."""
+    """A client's share of the images, selected as a simulated client's partition is (``select_rows``: a large share
+    of a memory map stays on disk, a share of an array in memory is copied), then read in random batches as local
+    training reads it (``read_rows``); (images, seconds)."""
+    from ssl_models.data.rows import read_rows, select_rows
+
     rng = np.random.default_rng(seed)
-    indices = rng.permutation(images.shape[0])[: max(1, int(images.shape[0] * share))]
+    count = max(1, int(images.shape[0] * share))
     checksum = 0
     started = time.perf_counter()
-    for start in range(0, indices.size, batch):
-        chunk = np.sort(indices[start : start + batch])  # sorted within a batch: fewer seeks, the same pages
-        checksum += int(np.asarray(images[chunk], dtype=np.uint8)[:, ::8, ::8].sum(dtype=np.int64))
+    part = select_rows(images, np.sort(rng.permutation(images.shape[0])[:count]))
+    order = rng.permutation(count)
+    for start in range(0, count, batch):
+        checksum += int(read_rows(part, order[start : start + batch])[:, ::8, ::8].sum(dtype=np.int64))
     del checksum
-    return int(indices.size), time.perf_counter() - started
+    return count, time.perf_counter() - started
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +375,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# Image-folder data source", "", f"Command: `{result['command']}`  ", machine_line, "", setup_line, ""]
     lines += ["| load | seconds | images/s |", "|---|---:|---:|"]
     lines += [f"| {name} | {seconds} | {per_s} |" for name, seconds, per_s in load_rows]
-    client_line = f"A client reading {share['share']:.0%} of the images ({mapped['images_read']}) in random batches"
+    client_line = (
+        f"A simulated client's share, {share['share']:.0%} of the images ({mapped['images_read']}), selected as "
+        "`client_images` selects a partition and read in random batches"
+    )
     lines += [
         "",
         f"{client_line} of {share['batch']}:",
