@@ -221,7 +221,7 @@ def train_ssl(
     n = int(shape[0])
     if n < 2:
         raise ValueError(f"images: need at least 2 images to train, got {n}")
-    x = None if isinstance(images, (np.memmap, ImageRows)) else torch.as_tensor(images).to(device)
+    x = torch.as_tensor(images).to(device) if on_disk is None else None
 
     def rows(picked: torch.Tensor) -> torch.Tensor:
         if on_disk is None:
