@@ -262,7 +262,9 @@ def test_the_alignment_table_is_the_clients_mean_cka_per_round_over_seeds(tmp_pa
 STUDY = {
     "study": "e2e",
     "base": str(REPO / "configs" / "smoke.yaml"),
-    "seeds": [0, 1],
+    # One seed: three launches (the cut run, its resume, FedEMA); the report's mean and std over seeds are
+    # pinned by test_report_rows_are_the_runs_mean_and_std_and_close_rows_are_not_ranked on written summaries.
+    "seeds": [0],
     "overrides": {
         "data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
         "rounds": 3,
@@ -493,11 +495,12 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     proc = study_cli(study, out)
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output
-    assert re.search(r"\[1/4\] FedBYOL, seed 0: resuming after round [12]", output), output
+    # after round 1, or later where `flwr stop` took longer than a round (1-2 s) on busy cores
+    assert re.search(r"\[1/2\] FedBYOL, seed 0: resuming after round [123]", output), output
     # the progress line's wall time beside the run's own (the report's "run s"), so the two do not disagree unsaid
     clock = r"(\d+h\d\dm|\d+m\d\ds|\d+s)"
     assert re.search(
-        rf"\[2/4\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;", output
+        rf"\[2/2\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;", output
     ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
@@ -505,21 +508,18 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     # 3. Once more: every run finished earlier, nothing runs
     proc = study_cli(study, out)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and output.count("finished earlier, skipped") == 4, output
-    # The report's rows are the runs' summary.json values, mean and std recomputed here
+    assert proc.returncode == 0 and output.count("finished earlier, skipped") == 2, output
+    # The report's rows are the runs' summary.json values (one seed: no ±)
     rows = table_rows(out / "report.md")
     for variant in ("FedBYOL", "FedEMA"):
-        summaries = [
-            json.loads((out / "runs" / f"{slug(variant)}-seed{s}" / "summary.json").read_text()) for s in (0, 1)
-        ]
+        summary = json.loads((out / "runs" / f"{slug(variant)}-seed0" / "summary.json").read_text())
         for column, key in ((2, "linear_probe_acc"), (3, "knn_acc"), (4, "linear_probe_gain_over_random")):
-            values = [100 * s[key] for s in summaries]
-            assert rows[variant][column] == f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-        assert rows[variant][1] == "0 1"
-        assert all(s["provenance"]["versions"]["flwr"] and s["provenance"]["config_hash"] for s in summaries)
+            assert rows[variant][column] == f"{100 * summary[key]:.2f}"
+        assert rows[variant][1] == "0"
+        assert summary["provenance"]["versions"]["flwr"] and summary["provenance"]["config_hash"]
     assert (out / "report.csv").is_file() and (out / "curves.png").is_file() and (out / "scores.png").is_file()
-    resolved = yaml.safe_load((out / "runs" / "fedema-seed1" / "config.yaml").read_text())
-    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 1 and resolved["rounds"] == 3
+    resolved = yaml.safe_load((out / "runs" / "fedema-seed0" / "config.yaml").read_text())
+    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 0 and resolved["rounds"] == 3
     assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
 
 
