@@ -303,7 +303,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-from client_app.tasks import local_images, train_local_ssl
+from client_app.rounds.weights import local_images, train_local_ssl
 from ssl_models.config import ExperimentConfig
 t2 = time.perf_counter()
 cfg = ExperimentConfig.from_yaml(sys.argv[1])

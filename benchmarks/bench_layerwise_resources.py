@@ -8,7 +8,7 @@ and travel), LW-FedSSL, FedMoCo-LW, Prog-FedSSL and FLL+DD (depth dropout 0.5).
 
 1. **Compute, per client and stage** (one local training step, at ``--batch`` images; the paper trains at 1024):
    ``ssl_models.federated.layerwise.resource_account``, the call a layer-wise client makes before training
-   (``client_app/tasks.py: layerwise_round``), on the model the client builds for that stage: FLOPs per sample
+   (``client_app/rounds/layerwise.py: layerwise_round``), on the model the client builds for that stage: FLOPs per sample
    (image, both views) of the forward and of the backward that actually runs, with CPU attention counted, plus, for
    LW-FedSSL, the frozen global copy's forward for the alignment term; ``forward / 2`` (the fvcore-equivalent), and
    the same without the attention matmuls (``training_step_flops`` / ``forward_flops`` with

@@ -38,16 +38,10 @@ from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import public_images
 from ssl_models.training import TrainStats
 
-from .tasks import (
-    client_encoder_state,
-    initial_kernel,
-    kernel_round,
-    layerwise_round,
-    local_images,
-    set_stop_check,
-    similarity_round,
-    train_local_ssl,
-)
+from .rounds.kernel import client_encoder_state, initial_kernel, kernel_round
+from .rounds.layerwise import layerwise_round
+from .rounds.similarity import similarity_round
+from .rounds.weights import local_images, set_stop_check, train_local_ssl
 
 APP_IMPORTED_AT = time.time()
 app = ClientApp()
@@ -223,7 +217,7 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     r = RoundInputs(
         config, cfg, pid, int(config["server-round"]), images, msg.metadata.created_at, started_at, where_to_train
     )
-    root = stop_marker_root(msg, context)  # checked before every local epoch too (tasks.local_training)
+    root = stop_marker_root(msg, context)  # checked before every local epoch too (rounds.weights.local_training)
     set_stop_check((lambda: run_stopped(root)) if root is not None else None)
     where = ("the union of all partitions of " if scope == "union" else "its partition of ") + (
         cfg.data.path or cfg.data.dataset

@@ -14,7 +14,7 @@ never part of a client's partition, rebuilt by every client from the config and 
   of clients). With ``kernel_normalization: frobenius`` (the default) each client's centred kernel enters with
   norm 1, so uniform weights weigh clients equally (the paper's w = 1/n);
 - **up**: the client's ``K_k = A_k A_k^T`` of its RAD representations after local training on
-  ``SSL loss + mu (1 - CKA(K_k, K_bar))`` (``client_app.tasks.kernel_round``), and its raw ``||H K_k H||_F``
+  ``SSL loss + mu (1 - CKA(K_k, K_bar))`` (``client_app.rounds.kernel.kernel_round``), and its raw ``||H K_k H||_F``
   (``kernel_norm`` in metrics.jsonl).
 
 N_RAD^2 values each way per client and round, whatever the model size. To score the clients' personalised

@@ -35,7 +35,7 @@ encoder (``backbone.*``) and heads. ``summary.json`` has the per-client and per-
 same figures for an end-to-end client at the final depth (``resources.reference_e2e``: what a FedMoCoV3 client
 would need).
 
-Math and model surgery: ``ssl_models/federated/layerwise.py``; the client side: ``client_app/tasks.py``
+Math and model surgery: ``ssl_models/federated/layerwise.py``; the client side: ``client_app/rounds/layerwise.py``
 (``layerwise_round``).
 """
 

@@ -278,21 +278,21 @@ def test_server_evaluator_and_flesd_server_use_the_configs_recipe_and_normalisat
 
 
 def test_local_training_gets_the_configs_recipe(monkeypatch):
-    from client_app import tasks
+    from client_app.rounds import weights
     from ssl_models.data.splits import client_images
 
     seen = {}
-    real_train_ssl = tasks.train_ssl
+    real_train_ssl = weights.train_ssl
 
     def fake_train_ssl(method, images, **kwargs):
         seen.update(kwargs, method=method)
         return real_train_ssl(method, images, **kwargs)
 
-    monkeypatch.setattr(tasks, "train_ssl", fake_train_ssl)
+    monkeypatch.setattr(weights, "train_ssl", fake_train_ssl)
     cfg = cfg_with(FLESD_RECIPE)
     model = build_ssl_model(cfg, seed=0)
     glob = {k: v for k, v in model.state_dict().items() if k.startswith(model.shared_prefixes())}
-    tasks.train_local_ssl(
+    weights.train_local_ssl(
         cfg,
         client_images(cfg, 0),
         {k: v.numpy() for k, v in glob.items()},

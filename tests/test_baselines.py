@@ -11,7 +11,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from client_app.tasks import local_images
+from client_app.rounds.weights import local_images
 from conftest import NodeGrid
 from fedssl_wire import to_array_record
 from server_app.app import ServerEvaluator, random_init_entries

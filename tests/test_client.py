@@ -6,7 +6,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
-from client_app.tasks import train_local_ssl
+from client_app.rounds.weights import train_local_ssl
 from fedssl_wire import MEMORY_STATE_KEY, from_array_record, to_array_record
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images

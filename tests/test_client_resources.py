@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from client_app import tasks
+from client_app.rounds import resources
+from client_app.rounds.weights import local_training
 from ssl_models.accounting import analytic_training_memory, training_step_flops
 from ssl_models.config import ExperimentConfig
 from ssl_models.factory import build_ssl_model
@@ -40,16 +41,16 @@ def images(n: int = 40) -> np.ndarray:
 @pytest.fixture(autouse=True)
 def no_disk_cache(monkeypatch):
     """Every test here counts measurements: none may be served from figures an earlier run left on this disk."""
-    monkeypatch.setenv(tasks.RESOURCE_CACHE_VARIABLE, "off")
+    monkeypatch.setenv(resources.RESOURCE_CACHE_VARIABLE, "off")
 
 
 def test_local_training_reports_the_step_figures_of_its_model(monkeypatch):
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
     cfg = tiny_cfg()
     method = build_ssl_model(cfg, seed=0)
     expected_flops = training_step_flops(method, (3, 32, 32), batch_size=8)
     expected_memory = analytic_training_memory(method, "adam", 16, view_shape=(3, 32, 32))
-    stats = tasks.local_training(cfg, method, images(40), lr=1e-3, seed=0, device=torch.device("cpu"))
+    stats = local_training(cfg, method, images(40), lr=1e-3, seed=0, device=torch.device("cpu"))
     r = stats.resources
     assert r["flops_total"] == pytest.approx(expected_flops["total"], rel=1e-12)
     assert r["flops_fvcore_equivalent"] == pytest.approx(expected_flops["forward"] / 2, rel=1e-12)
@@ -65,62 +66,60 @@ def test_local_training_reports_the_step_figures_of_its_model(monkeypatch):
 
 
 def test_the_figures_are_measured_once_per_model_shape_and_batch(monkeypatch):
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
     counted = []
-    real = tasks.training_step_flops
+    real = resources.training_step_flops
 
     def counting(method, *args, **kwargs):
         counted.append(kwargs.get("batch_size"))
         return real(method, *args, **kwargs)
 
-    monkeypatch.setattr(tasks, "training_step_flops", counting)
+    monkeypatch.setattr(resources, "training_step_flops", counting)
     cfg = tiny_cfg()
     for seed in (0, 1):  # a new model object of the same shape (the next round): no new measurement
-        tasks.local_training(cfg, build_ssl_model(cfg, seed=seed), images(40), lr=1e-3, seed=0, device="cpu")
+        local_training(cfg, build_ssl_model(cfg, seed=seed), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [8]
     small = tiny_cfg(batch_size=4)  # another batch: another memory figure, measured again
-    stats = tasks.local_training(small, build_ssl_model(small, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    stats = local_training(small, build_ssl_model(small, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [8, 4] and stats.resources["images_trained"] == 10 * 4
 
 
 def test_the_figures_are_kept_on_the_nodes_disk_for_the_next_process(monkeypatch, tmp_path):
     """A deployed SuperNode runs every message in a new process: the second process reads the first one's figures."""
-    monkeypatch.setenv(tasks.RESOURCE_CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
+    monkeypatch.setenv(resources.RESOURCE_CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
     counted = []
-    real = tasks.training_step_flops
-    monkeypatch.setattr(tasks, "training_step_flops", lambda *a, **k: counted.append(1) or real(*a, **k))
+    real = resources.training_step_flops
+    monkeypatch.setattr(resources, "training_step_flops", lambda *a, **k: counted.append(1) or real(*a, **k))
     cfg = tiny_cfg()
-    first = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    first = local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     files = list((tmp_path / "cache").rglob("*.json"))
     assert counted == [1] and len(files) == 1
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})  # the next message's new process
-    second = tasks.local_training(cfg, build_ssl_model(cfg, seed=1), images(40), lr=1e-3, seed=0, device="cpu")
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})  # the next message's new process
+    second = local_training(cfg, build_ssl_model(cfg, seed=1), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [1]
     for key in ("flops_total", "flops_fvcore_equivalent", "mem_total", "mem_activations"):
         assert second.resources[key] == first.resources[key]
     # another method option (same shapes) is another key: measured again, kept beside the first
     other = tiny_cfg()
     other.method.options["temperature"] = 0.2
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
-    tasks.local_training(other, build_ssl_model(other, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
+    local_training(other, build_ssl_model(other, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [1, 1] and len(list((tmp_path / "cache").rglob("*.json"))) == 2
     # a torn file is measured again and rewritten, never read as figures
     files[0].write_text('{"flops_tot')
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
-    third = tasks.local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
+    third = local_training(cfg, build_ssl_model(cfg, seed=0), images(40), lr=1e-3, seed=0, device="cpu")
     assert counted == [1, 1, 1] and third.resources["flops_total"] == first.resources["flops_total"]
     assert json.loads(files[0].read_text())["flops_total"] == first.resources["flops_total"]
 
 
 def test_without_account_the_loop_measures_nothing(monkeypatch):
     # what layer-wise rounds use: they account their sub-models themselves (lw.* metrics)
-    monkeypatch.setattr(tasks, "_STEP_RESOURCES", {})
-    monkeypatch.setattr(tasks, "training_step_flops", lambda *a, **k: pytest.fail("measured without account"))
+    monkeypatch.setattr(resources, "_STEP_RESOURCES", {})
+    monkeypatch.setattr(resources, "training_step_flops", lambda *a, **k: pytest.fail("measured without account"))
     cfg = tiny_cfg()
-    stats = tasks.local_training(
-        cfg, build_ssl_model(cfg, seed=0), images(20), lr=1e-3, seed=0, device="cpu", account=False
-    )
+    stats = local_training(cfg, build_ssl_model(cfg, seed=0), images(20), lr=1e-3, seed=0, device="cpu", account=False)
     assert stats.resources == {}
 
 

@@ -115,7 +115,7 @@ def test_a_run_on_a_superlink_started_in_another_checkout_stops_naming_both_dige
     the reason in progress.log, not after a timeout, and nothing trains."""
     other = tmp_path / "other-checkout"
     copy_app(other)
-    with (other / "client_app" / "tasks.py").open("a") as fh:
+    with (other / "client_app" / "rounds" / "weights.py").open("a") as fh:
         fh.write("# a local edit in the other checkout\n")
     home = tmp_path / "flwr"
     env = {**flwr_env(home), "OMP_NUM_THREADS": "1"}  # one FLWR_HOME and one pair of ports for both submissions
@@ -176,7 +176,7 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
 
     other = tmp_path / "other-checkout"
     copy_app(other)
-    with (other / "client_app" / "tasks.py").open("a") as fh:
+    with (other / "client_app" / "rounds" / "weights.py").open("a") as fh:
         fh.write("# a local edit in the other checkout\n")
     app_code_digest.cache_clear()
     assert app_code_digest(other) != app_code_digest(REPO)

@@ -117,7 +117,7 @@ def test_train_compile_is_a_validated_config_switch():
 
 
 def test_the_client_passes_the_switch_to_the_loop(monkeypatch):
-    from client_app import tasks
+    from client_app.rounds import weights
 
     seen = {}
 
@@ -125,11 +125,11 @@ def test_the_client_passes_the_switch_to_the_loop(monkeypatch):
         seen["backend"] = kwargs["compile_backend"]
         raise StopIteration  # enough: the loop was reached with the switch
 
-    monkeypatch.setattr(tasks, "train_ssl", fake_train_ssl)
+    monkeypatch.setattr(weights, "train_ssl", fake_train_ssl)
     for flag, backend in ((False, None), (True, "inductor")):
         cfg = ExperimentConfig.from_dict({"train": {"compile": flag}})
         with pytest.raises(StopIteration):
-            tasks.local_training(cfg, TinySimCLR(), images(), lr=0.1, seed=0, device=torch.device("cpu"))
+            weights.local_training(cfg, TinySimCLR(), images(), lr=0.1, seed=0, device=torch.device("cpu"))
         assert seen["backend"] == backend
 
 

@@ -266,7 +266,7 @@ def layerwise_experiment(device: str) -> ExperimentConfig:
 def check_layerwise_round_accounts_memory(device: str) -> dict:
     """A layer-wise client round on ``device`` with its resource accounting: returns its info (analytic memory
     ``mem_*``, and on CUDA ``cuda_peak_bytes``)."""
-    from client_app.tasks import layerwise_round
+    from client_app.rounds.layerwise import layerwise_round
     from ssl_models.data.splits import client_images
     from ssl_models.federated.layerwise import build_layerwise_model, online_state
 

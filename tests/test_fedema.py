@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from client_app.tasks import fedema_download, fedu_download, train_local_ssl
+from client_app.rounds.weights import train_local_ssl
+from client_app.rules.fedssl_family import fedema_download, fedu_download
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.splits import client_images

@@ -16,7 +16,8 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from client_app.app import app
-from client_app.tasks import fedema_download, fedu_download, train_local_ssl
+from client_app.rounds.weights import train_local_ssl
+from client_app.rules.fedssl_family import fedema_download, fedu_download
 from fedssl_wire import MEMORY_STATE_KEY, from_array_record, to_array_record
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images

@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
+from client_app.rounds.weights import train_local_ssl
 from client_app.rules.fedu2 import fedu2_loss_term, fedu2_upload_extra
-from client_app.tasks import train_local_ssl
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig
 from ssl_models.data.splits import client_images

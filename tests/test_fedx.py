@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from client_app.tasks import train_local_ssl
+from client_app.rounds.weights import train_local_ssl
 from server_app.experiment import load_experiment
 from ssl_models.accounting import training_step_flops
 from ssl_models.config import ConfigError, ExperimentConfig

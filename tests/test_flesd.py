@@ -7,7 +7,9 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 import strategies.flesd as flesd_module
-from client_app.tasks import PublicSetMismatch, similarity_round, train_local_ssl
+from client_app.rounds.public_set import PublicSetMismatch
+from client_app.rounds.similarity import similarity_round
+from client_app.rounds.weights import train_local_ssl
 from fedssl_wire import from_array_record, record_names, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig

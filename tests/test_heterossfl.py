@@ -13,7 +13,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app
-from client_app.tasks import PublicSetMismatch, initial_client_model, kernel_round, train_local_ssl
+from client_app.rounds.kernel import kernel_round
+from client_app.rounds.public_set import PublicSetMismatch
+from client_app.rounds.weights import initial_client_model, train_local_ssl
 from fedssl_wire import KERNEL_RECORD, from_array_record, record_names, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.accounting import forward_flops, function_training_flops
@@ -354,7 +356,7 @@ def test_train_precision_term_is_eq2_in_bf16_close_to_the_fp32_one(small, refres
 
 
 def test_rad_precision_option_follows_the_local_steps_fast_path():
-    from client_app.tasks import rad_precision
+    from client_app.rounds.kernel import rad_precision
     from ssl_models.training import fast_path_for
 
     fast = fast_path_for(torch.device("cpu"), True)

@@ -15,7 +15,9 @@ import torch
 import yaml
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from client_app.tasks import fedssl_download, layerwise_round, train_local_ssl
+from client_app.rounds.layerwise import layerwise_round
+from client_app.rounds.weights import train_local_ssl
+from client_app.rules.fedssl_family import fedssl_download
 from conftest import NodeGrid, experiment_config_files, study_experiments
 from fedssl_wire import LAYERWISE_MESSAGE_TYPE, from_array_record, to_array_record
 from server_app.experiment import load_experiment

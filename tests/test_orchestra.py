@@ -11,8 +11,8 @@ import torch
 import yaml
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
+from client_app.rounds.weights import train_local_ssl
 from client_app.rules.orchestra import orchestra_download, orchestra_upload
-from client_app.tasks import train_local_ssl
 from fedssl_wire import from_array_record, to_array_record
 from server_app.experiment import load_experiment
 from ssl_models.config import ConfigError, ExperimentConfig

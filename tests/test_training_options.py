@@ -3,7 +3,7 @@ non-finite loss, and the fast path's precision choice by device capability.
 
 ``train_ssl`` is driven with a tiny recording method (a linear encoder on 16x16 images) that notes the batch size and
 the autocast state of every step; the options that come from the experiment config are also run through
-``client_app.tasks.train_local_ssl`` on a width-0.125 ResNet, so the config really reaches the loop.
+``client_app.rounds.weights.train_local_ssl`` on a width-0.125 ResNet, so the config really reaches the loop.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from client_app.tasks import train_local_ssl
+from client_app.rounds.weights import train_local_ssl
 from ssl_models import training
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.splits import client_images

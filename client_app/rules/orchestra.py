@@ -24,6 +24,7 @@ from ssl_models.factory import build_augment
 from ssl_models.federated.orchestra import balanced_kmeans, cluster_size_summary, is_seeding_round, seed_memory
 from ssl_models.training import TrainStats
 
+from ..rounds.resources import local_step_resources
 from .base import ClientRule, register
 from .fedssl_family import fedssl_download
 
@@ -54,8 +55,6 @@ def orchestra_seed_round(method, images, cfg, options, device, *, server_round: 
     Every other round: None (local training as usual)."""
     if not is_seeding_round(options, server_round):
         return None
-    from client_app.tasks import local_step_resources  # the ClientApp's tasks import the rules: not at import
-
     per_step = local_step_resources(cfg, method, images, device)
     seeded = seed_memory(
         method,

@@ -1,7 +1,7 @@
 """Layer-wise federated SSL (LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD): the math and the model surgery.
 
 Pure PyTorch/NumPy (no Flower): the strategy (``strategies/layerwise.py``) and the client task
-(``client_app/tasks.py: layerwise_round``) both call these functions, so the two sides agree on every rule.
+(``client_app/rounds/layerwise.py: layerwise_round``) both call these functions, so the two sides agree on every rule.
 
 **Stages.** Training is split into S stages over R rounds; stage s trains a ViT sub-model of s blocks (one block
 per stage). ``stage_rounds(R, S, allocation)`` gives R_s per stage, every stage at least one round:
