@@ -85,6 +85,19 @@ class NodeGrid:
         return list(self.nodes)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread_in_this_process():
+    """The tests train tiny models in this process too: on 2 cores one intra-op thread is faster than two (their
+    parallel regions are too small to pay for the second thread, and a second process busy on one core stalls
+    every one of them), and it leaves the other core to the processes an e2e test starts."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread_in_e2e_runs(request, monkeypatch):
     """The real `flwr run .` tests use tiny models: on a 2-core machine one torch thread per process (the

@@ -25,14 +25,6 @@ from ssl_models.networks import build_backbone
 from strategies import get_strategy_class
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_cfg(**overrides) -> ExperimentConfig:
     raw = {
         "name": "t",

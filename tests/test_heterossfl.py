@@ -75,15 +75,6 @@ def tiny(**changes):
     return ExperimentConfig.from_dict(raw)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared, loaded machine: one intra-op thread is several times faster than two fighting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture()
 def identity():
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1

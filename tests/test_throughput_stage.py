@@ -26,14 +26,8 @@ STEPS = 2
 def stage(tmp_path_factory):
     out = tmp_path_factory.mktemp("throughput")
     lines: list[str] = []
-    # One torch thread: another process busy on one of the 2 cores would otherwise stall every two-thread parallel
-    # region of this one (the figures are not what is tested here; the test's duration should not depend on them).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        record = run_throughput(out, device="cpu", scale="tiny", compile=False, steps=STEPS, log=lines.append)
-    finally:
-        torch.set_num_threads(threads)
+    # One torch thread (tests/conftest.py): the figures are not what is tested here.
+    record = run_throughput(out, device="cpu", scale="tiny", compile=False, steps=STEPS, log=lines.append)
     return out, record, lines
 
 
