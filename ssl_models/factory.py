@@ -64,6 +64,23 @@ def build_augment(cfg: ExperimentConfig, image_size: int) -> SSLAugment:
     return SSLAugment.from_config(cfg.augment, image_size)
 
 
+def train_settings(cfg: ExperimentConfig, image_size: int) -> dict:
+    """The keyword arguments of ``ssl_models.training.train_ssl`` that the experiment sets for every training of its
+    model (its ``train`` section and augmentation recipe): one place for every caller, so that a setting reaches
+    the clients' local rounds and the server's training alike. The epochs, batch, learning rate, seed, device and
+    hooks are the caller's."""
+    t = cfg.train
+    return {
+        "optimizer": t.optimizer,
+        "momentum": t.momentum,
+        "weight_decay": t.weight_decay,
+        "fast_path": t.fast_path,
+        "drop_last": t.drop_last,
+        "max_steps_per_epoch": t.max_steps_per_epoch,
+        "augment": build_augment(cfg, image_size),
+    }
+
+
 def split_state(method: torch.nn.Module, prefixes: tuple[str, ...]) -> tuple[OrderedDict, OrderedDict]:
     """(shared, local) state dicts of ``method``: keys starting with one of ``prefixes`` are shared."""
     shared: OrderedDict[str, torch.Tensor] = OrderedDict()

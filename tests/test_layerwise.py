@@ -293,6 +293,41 @@ def test_calibration_changes_every_block_of_the_sub_model():
         assert any(k.startswith(f"backbone.blocks.{i}.") for k in changed)
 
 
+def test_calibration_trains_with_the_experiments_train_settings(monkeypatch):
+    """The server's calibration and the clients' rounds take the experiment's training settings from one place
+    (``train_settings``): a setting of the train section reaches both."""
+    from client_app.rounds import weights
+    from ssl_models.federated import layerwise
+
+    overrides = {
+        "train.optimizer": "adamw",
+        "train.weight_decay": 0.05,
+        "train.drop_last": False,
+        "train.max_steps_per_epoch": 1,
+        "train.fast_path": False,
+        "augment.blur_p": 0.0,
+    }
+    cfg = experiment(**overrides)
+    seen = []
+
+    def fake_train_ssl(method, images, **kwargs):
+        seen.append(kwargs)
+        raise StopIteration  # the call's arguments are what is tested
+
+    aux = np.zeros((8, 32, 32, 3), dtype=np.uint8)
+    monkeypatch.setattr(layerwise, "train_ssl", fake_train_ssl)
+    with pytest.raises(StopIteration):
+        calibrate(cfg, build_layerwise_model(cfg, 1, seed=0), aux, epochs=1, lr=1e-3, seed=0)
+    monkeypatch.setattr(weights, "train_ssl", fake_train_ssl)
+    with pytest.raises(StopIteration):
+        weights.local_training(cfg, build_layerwise_model(cfg, 1, seed=0), aux, lr=1e-3, seed=0, device="cpu")
+    for kwargs in seen:
+        assert (kwargs["optimizer"], kwargs["weight_decay"], kwargs["drop_last"]) == ("adamw", 0.05, False)
+        assert (kwargs["max_steps_per_epoch"], kwargs["fast_path"], kwargs["augment"].blur_p) == (1, False, 0.0)
+        assert kwargs["momentum"] == cfg.train.momentum
+    assert len(seen) == 2
+
+
 # ---------------------------------------------------------------------- the strategy: bytes of every message kind
 
 

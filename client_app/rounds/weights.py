@@ -18,7 +18,7 @@ from ssl_models.accounting import process_peak_rss_bytes, reset_peak_rss
 from ssl_models.config import ExperimentConfig
 from ssl_models.data.datasets import load_npz
 from ssl_models.data.splits import client_images, union_images
-from ssl_models.factory import build_augment, build_ssl_model, split_state, state_to_numpy
+from ssl_models.factory import build_ssl_model, split_state, state_to_numpy, train_settings
 from ssl_models.federated.model_merge import easyfl_divergence
 from ssl_models.methods.base import TARGET_PREFIXES
 from ssl_models.methods.losses import proximal_term
@@ -133,19 +133,13 @@ def local_training(
         epochs=t.local_epochs,
         batch_size=t.batch_size,
         lr=lr,
-        optimizer=t.optimizer,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
         device=device,
-        fast_path=t.fast_path,
-        drop_last=t.drop_last,
-        max_steps_per_epoch=t.max_steps_per_epoch,
         seed=seed,
-        augment=build_augment(cfg, int(np.shape(images)[1])),
         loss_hook=loss_hook,
         epoch_hook=_with_stop_check(epoch_hook),
         log=log,
         compile_backend="inductor" if t.compile else None,
+        **train_settings(cfg, int(np.shape(images)[1])),
     )
     if account:
         resources["images_trained"] = float(stats.steps * min(t.batch_size, len(images)))

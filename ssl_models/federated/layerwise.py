@@ -71,11 +71,11 @@ from torch import nn
 from ssl_models.accounting import analytic_training_memory, forward_flops, training_step_flops
 from ssl_models.config import ExperimentConfig
 from ssl_models.factory import (
-    build_augment,
     build_ssl_model,
     load_partial_state,
     reset_target_from_online,
     state_to_numpy,
+    train_settings,
 )
 from ssl_models.methods.base import SSLMethod
 from ssl_models.networks.vit import BLOCK_INITS, VisionTransformer, vit_depth_of_state
@@ -403,11 +403,10 @@ def calibrate(
 
     Every block, the embeddings, the final norm and the heads train (``set_trainable("all")``, no depth dropout);
     the momentum branch restarts as a copy of the online one. ``epochs`` passes with the experiment's local-training
-    settings (optimizer, momentum, weight decay, ``max_steps_per_epoch``, fast path, augmentations), batch
-    ``batch_size`` (0: ``train.batch_size``). ``progress``: this round's window of the run for MoCo v3's
-    momentum schedule."""
+    settings (``ssl_models.factory.train_settings``: optimizer, momentum, weight decay, fast path, augmentations,
+    ``max_steps_per_epoch``), batch ``batch_size`` (0: ``train.batch_size``). ``progress``: this round's window of
+    the run for MoCo v3's momentum schedule."""
     epochs = _positive_int("epochs", epochs)
-    t = cfg.train
     _vit(method.backbone).set_trainable("all")
     _vit(method.backbone).set_depth_dropout(0.0)
     reset_target_from_online(method)
@@ -417,18 +416,12 @@ def calibrate(
         method,
         images,
         epochs=epochs,
-        batch_size=int(batch_size) or t.batch_size,
+        batch_size=int(batch_size) or cfg.train.batch_size,
         lr=lr,
-        optimizer=t.optimizer,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
         device=device,
-        fast_path=t.fast_path,
-        drop_last=t.drop_last,
-        max_steps_per_epoch=t.max_steps_per_epoch,
         seed=seed,
-        augment=build_augment(cfg, int(np.shape(images)[1])),
         log=log,
+        **train_settings(cfg, int(np.shape(images)[1])),
     )
 
 
