@@ -231,6 +231,28 @@ def round_inputs(msg: Message, context: Context) -> RoundInputs:
     return r
 
 
+def round_reply(
+    msg: Message,
+    context: Context,
+    r: RoundInputs,
+    upload: dict,
+    metrics: dict,
+    client_state: dict,
+    record: str = "arrays",
+) -> Message:
+    """The reply to a training round: the upload under ``record``, the metrics and where the round ran; the client
+    state is kept where its mode keeps it (in the reply itself with ``client-state: server``)."""
+    reply = RecordDict(
+        {
+            record: to_array_record(upload),
+            "metrics": MetricRecord(metrics),
+            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
+        }
+    )
+    keep_client_state(msg, context, r.partition_id, client_state, reply)
+    return Message(reply, reply_to=msg)
+
+
 def state_location(config: ConfigRecord, context: Context) -> str:
     """Where this client's state between rounds is kept, in words."""
     mode = str(config.get("client-state", "memory"))
@@ -289,15 +311,7 @@ def train(msg: Message, context: Context) -> Message:
             metrics[f"rule.{key}"] = int(value)
         elif isinstance(value, (int, float)):
             metrics[f"rule.{key}"] = float(value)
-    reply = RecordDict(
-        {
-            "arrays": to_array_record(result.shared_state),
-            "metrics": MetricRecord(metrics),
-            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
-        }
-    )
-    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
-    return Message(reply, reply_to=msg)
+    return round_reply(msg, context, r, result.shared_state, metrics, result.client_state)
 
 
 @app.train("similarity")
@@ -319,15 +333,8 @@ def train_similarity(msg: Message, context: Context) -> Message:
         topk_fraction=float(config.get("topk-fraction", 0.0)) or None,
         log=r.log,
     )
-    reply = RecordDict(
-        {
-            SIMILARITY_RECORD: to_array_record(result.payload),
-            "metrics": MetricRecord({**train_metrics(r.partition_id, result.stats), **r.timeline()}),
-            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
-        }
-    )
-    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
-    return Message(reply, reply_to=msg)
+    metrics = {**train_metrics(r.partition_id, result.stats), **r.timeline()}
+    return round_reply(msg, context, r, result.payload, metrics, result.client_state, record=SIMILARITY_RECORD)
 
 
 @app.train("kernel")
@@ -353,15 +360,7 @@ def train_kernel(msg: Message, context: Context) -> Message:
     for key, value in result.info.items():  # CKA to K_bar before/after, the alignment term's mean value
         if isinstance(value, (bool, int, float)):
             metrics[f"align.{key}"] = float(value)
-    reply = RecordDict(
-        {
-            KERNEL_RECORD: to_array_record(result.payload),
-            "metrics": MetricRecord(metrics),
-            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
-        }
-    )
-    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
-    return Message(reply, reply_to=msg)
+    return round_reply(msg, context, r, result.payload, metrics, result.client_state, record=KERNEL_RECORD)
 
 
 @app.query("kernel")
@@ -431,12 +430,4 @@ def train_layerwise(msg: Message, context: Context) -> Message:
             metrics[f"lw.{key}"] = int(value)
         elif isinstance(value, float):
             metrics[f"lw.{key}"] = value
-    reply = RecordDict(
-        {
-            "arrays": to_array_record(result.shared_state),
-            "metrics": MetricRecord(metrics),
-            CLIENT_INFO_RECORD: where_this_runs(r.device_placement),
-        }
-    )
-    keep_client_state(msg, context, r.partition_id, result.client_state, reply)
-    return Message(reply, reply_to=msg)
+    return round_reply(msg, context, r, result.shared_state, metrics, result.client_state)
