@@ -55,6 +55,22 @@ def experiment_key(resolved: dict) -> str:
     return config_hash({**config, "data": data})
 
 
+def study_time_left(
+    durations: list[float], remaining_runs: int, elapsed: float, rounds_trained: int, rounds_left: int, rounds: int
+) -> float | None:
+    """Seconds until the study ends: the current run's ``rounds_left`` of its ``rounds`` and ``remaining_runs`` more,
+    each at the mean of ``durations`` (whole runs finished by this invocation), or, before any finished, at the
+    current run's pace (``elapsed`` seconds for the ``rounds_trained`` rounds this attempt trained: a resumed run
+    starts after the rounds of its checkpoint). None before the current attempt's first round."""
+    if durations:
+        per_run = statistics.mean(durations)
+    elif rounds_trained > 0:
+        per_run = elapsed / rounds_trained * rounds
+    else:
+        return None
+    return per_run * rounds_left / max(1, rounds) + per_run * remaining_runs
+
+
 def reusable_run(resolved: dict, study_dirs: list[Path]) -> Path | None:
     """A finished run of the same experiment in one of ``study_dirs`` (read from its summary.json's config)."""
     key = experiment_key(resolved)
@@ -128,7 +144,7 @@ class StudyRunner:
         self.study, self.dir, self.launcher, self.say = study, Path(study_dir).resolve(), launcher, say
         self.reuse = [Path(d).resolve() for d in (reuse or [])]
         self.poll_s, self.run_timeout_s, self.command = poll_s, run_timeout_s, command
-        self.durations: list[float] = []  # wall time of the runs finished by this invocation (the ETA)
+        self.durations: list[float] = []  # whole-run wall times of the runs this invocation finished (ETA)
 
     def write_study_record(self) -> None:
         """study.yaml: the study as this invocation runs it, and every command that has run into this folder (a
@@ -180,17 +196,9 @@ class StudyRunner:
             self.launcher.close()
         return outcomes
 
-    def eta(self, remaining_runs: int, current_elapsed: float, current_fraction: float) -> str:
-        """The study's remaining time from the runs this invocation finished (or, before any, the current run's
-        pace)."""
-        if self.durations:
-            per_run = statistics.mean(self.durations)
-        elif current_fraction > 0:
-            per_run = current_elapsed / current_fraction
-        else:
-            return "ETA after the first round"
-        left = max(0.0, per_run - current_elapsed) + per_run * remaining_runs
-        return f"study ETA {_clock(left)}"
+    def eta(self, remaining_runs: int, elapsed: float, rounds_trained: int, rounds_left: int, rounds: int) -> str:
+        left = study_time_left(self.durations, remaining_runs, elapsed, rounds_trained, rounds_left, rounds)
+        return "ETA after the first round" if left is None else f"study ETA {_clock(left)}"
 
     def run_one(self, index: int, total: int, variant: str, seed: int) -> RunOutcome:
         folder = run_folder(self.dir, variant, seed)
@@ -235,6 +243,7 @@ class StudyRunner:
         info["attempts"].append({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed": resume})
         info_path.write_text(json.dumps(info, indent=2))
         seen = -1
+        rounds_before = rounds_done(folder) if resume else 0  # a resumed run trains only the rounds after these
         try:
             while True:
                 status = self.launcher.status(run_id)
@@ -245,7 +254,7 @@ class StudyRunner:
                     remaining = total - index
                     self.say(
                         f"{head}: round {done}/{cfg.rounds}, {_clock(elapsed)} in this run; "
-                        f"{self.eta(remaining, elapsed, done / cfg.rounds)}"
+                        f"{self.eta(remaining, elapsed, done - rounds_before, cfg.rounds - done, cfg.rounds)}"
                     )
                 if status is not None:
                     break
@@ -280,7 +289,10 @@ class StudyRunner:
             )
         seconds = time.monotonic() - started
         if (folder / "summary.json").is_file():
-            self.durations.append(seconds)
+            if (
+                cfg.rounds > rounds_before
+            ):  # the whole run at this attempt's pace (a resumed one trained its last rounds)
+                self.durations.append(seconds * cfg.rounds / (cfg.rounds - rounds_before))
             return self._finish(info, info_path, RunOutcome(variant, seed, folder, "finished", seconds), head)
         last = last_progress_line(folder)
         reason = f"flwr status {status}, no summary.json" + (f"; the run's last line: {last}" if last else "")

@@ -267,7 +267,7 @@ STUDY = {
     "seeds": [0],
     "overrides": {
         "data": {"dataset": "synthetic", "synthetic_train": 240, "synthetic_test": 60, "max_train": 0},
-        "rounds": 3,
+        "rounds": 5,  # the cut run must still be training when the Ctrl-C lands, a few seconds after round 1
         "train.max_steps_per_epoch": 2,
         "eval": {"max_train": 120, "max_test": 60, "probe_epochs": 3, "knn_k": 10},
     },
@@ -495,8 +495,8 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     proc = study_cli(study, out)
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output
-    # after round 1, or later where `flwr stop` took longer than a round (1-2 s) on busy cores
-    assert re.search(r"\[1/2\] FedBYOL, seed 0: resuming after round [123]", output), output
+    # after round 1, or later where stopping took longer than a round (1-2 s) on busy cores
+    assert re.search(r"\[1/2\] FedBYOL, seed 0: resuming after round [1-5]", output), output
     # the progress line's wall time beside the run's own (the report's "run s"), so the two do not disagree unsaid
     clock = r"(\d+h\d\dm|\d+m\d\ds|\d+s)"
     assert re.search(
@@ -504,7 +504,7 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
-    assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 5
     # 3. Once more: every run finished earlier, nothing runs
     proc = study_cli(study, out)
     output, _ = proc.communicate(timeout=120)
@@ -519,8 +519,19 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
         assert summary["provenance"]["versions"]["flwr"] and summary["provenance"]["config_hash"]
     assert (out / "report.csv").is_file() and (out / "curves.png").is_file() and (out / "scores.png").is_file()
     resolved = yaml.safe_load((out / "runs" / "fedema-seed0" / "config.yaml").read_text())
-    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 0 and resolved["rounds"] == 3
+    assert resolved["strategy"]["name"] == "fedema" and resolved["seed"] == 0 and resolved["rounds"] == 5
     assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
+
+
+def test_the_study_eta_counts_the_rounds_a_resumed_run_still_has_to_train():
+    from fedssl_study.runner import study_time_left
+
+    # A run resumed after round 6 of 12 that trained round 7 in 300 s: 5 more rounds, then 2 whole runs of 12
+    assert study_time_left([], 2, 300.0, 1, 5, 12) == 300.0 * 5 + 300.0 * 12 * 2
+    # The same run's first progress line (round 6 done before this attempt, nothing trained yet): no figure
+    assert study_time_left([], 2, 5.0, 0, 6, 12) is None
+    # Runs finished in this invocation set the pace: 3 of 12 rounds left of a 2400 s run, then one more
+    assert study_time_left([2000.0, 2800.0], 1, 50.0, 9, 3, 12) == 2400.0 * 3 / 12 + 2400.0
 
 
 def test_legend_stays_inside_for_few_curves_and_goes_beside_the_axes_for_a_sweep():
