@@ -338,13 +338,20 @@ class StudyRunner:
             scores = ", ".join(
                 f"{name} {100 * v:.2f} %" for name, v in (("linear probe", lp), ("kNN", knn)) if v is not None
             )
-            run_s = summary.get("run_s")  # the ServerApp's own time: the report's "run s"
-            inside = (
-                f" (the run itself {_clock(float(run_s))}, the report's run s; the rest is starting and "
-                "stopping the federation)"
-                if isinstance(run_s, (int, float))
-                else ""
-            )
+            run_s = summary.get("run_s")  # the ServerApp's own time over every attempt: the report's "run s"
+            resumed = summary.get("resumed_after_round")
+            if not isinstance(run_s, (int, float)):
+                inside = ""
+            elif resumed:  # this attempt trained the rounds after the checkpoint; run_s counts the earlier ones too
+                inside = (
+                    f" (this attempt, resumed after round {resumed}; the run itself {_clock(float(run_s))} over "
+                    f"{len(info.get('attempts', []))} attempts, the report's run s)"
+                )
+            else:
+                inside = (
+                    f" (the run itself {_clock(float(run_s))}, the report's run s; the rest is starting and "
+                    "stopping the federation)"
+                )
             self.say(f"{head}: done in {_clock(outcome.seconds)}{inside}: {scores}")
         elif outcome.status == "failed":
             self.say(f"{head}: FAILED: {outcome.reason}")

@@ -502,6 +502,12 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     assert re.search(
         rf"\[2/2\] FedEMA, seed 0: done in {clock} \(the run itself {clock}, the report's run s;", output
     ), output
+    # a resumed run's wall time is its last attempt's, its run s every attempt's: the line says which is which
+    assert re.search(
+        rf"\[1/2\] FedBYOL, seed 0: done in {clock} \(this attempt, resumed after round [1-5]; the run itself "
+        rf"{clock} over 2 attempts, the report's run s\)",
+        output,
+    ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
     assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 5
