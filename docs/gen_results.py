@@ -21,6 +21,7 @@ Usage:
     python docs/gen_results.py                       # rewrite both from the published reports
     python docs/gen_results.py --check               # exit 1 when either is stale (tests/test_docs.py does this)
     python docs/gen_results.py --publish STUDY_DIR   # copy a finished study's report into benchmarks/results/studies/
+                                                     # (--partial: also one some of whose runs have no result)
 """
 
 from __future__ import annotations
@@ -291,11 +292,24 @@ def publish_runs(study_dir: Path, out: Path) -> int:
     return count
 
 
-def publish(study_dir: Path) -> Path:
+class UnfinishedStudy(Exception):
+    """A study folder some of whose runs have no result, published without ``--partial``."""
+
+
+def publish(study_dir: Path, partial: bool = False) -> Path:
     """Copy a finished study's report, its record and its runs' records into benchmarks/results/studies/<name>/
-    with this machine's paths cut to file names (a results file names no local folder)."""
+    with this machine's paths cut to file names (a results file names no local folder). A study some of whose runs
+    have no result is refused (UnfinishedStudy, naming them) unless ``partial``: its report then names them."""
     import yaml
 
+    from fedssl_study.report import unfinished_runs
+
+    unfinished = unfinished_runs(study_dir)
+    if unfinished.planned_without_result and not partial:
+        raise UnfinishedStudy(
+            f"{study_dir}: not published. {unfinished.line()} Finish it (run the study's command again: it resumes "
+            "and skips the finished runs), or publish it as it is with --partial."
+        )
     record = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
     name = record.get("study") or study_dir.name
     out = PUBLISHED / name
@@ -323,9 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
     parser.add_argument("--publish", metavar="STUDY_DIR", type=Path, help="copy a study's report in first")
+    parser.add_argument(
+        "--partial", action="store_true", help="with --publish: publish a study some of whose runs have no result"
+    )
     args = parser.parse_args(argv)
     if args.publish:
-        print(f"published {publish(args.publish)}")
+        try:
+            print(f"published {publish(args.publish, partial=args.partial)}")
+        except UnfinishedStudy as exc:
+            print(exc, file=sys.stderr)
+            return 2
     outputs = [(STUDIES_PAGE, studies_page()), (README, readme_with_results(README.read_text()))]
     pages = {p: p.read_text() for p in (*PLAIN_PAGES, *FIGURE_PAGES)}
     for p in PLAIN_PAGES:

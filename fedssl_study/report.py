@@ -32,6 +32,8 @@ from typing import Any
 
 from server_app.provenance import config_hash
 
+from .spec import run_folder_name
+
 SCORES = ("linear_probe_acc", "knn_acc")
 IGNORED_FOR_GROUPING = ("seed", "name", "output_dir")
 
@@ -403,7 +405,7 @@ def write_report(
     *,
     title: str,
     command: str | list[str] = "",
-    missing: list[str] | None = None,
+    unfinished: Unfinished | None = None,
 ) -> Path:
     """Write report.md, report.csv and the plots into ``out_dir``; returns report.md's path. ``command``: the
     command that produced the runs, or the several, oldest first, that filled a study folder."""
@@ -428,7 +430,11 @@ def write_report(
     if len(commands) == 1:
         lines += [f"Command: `{commands[0]}`", ""]
     elif commands:
-        lines += ["Commands, in the order they ran into this folder:", ""] + [f"- `{c}`" for c in commands] + [""]
+        # a study stopped and started again runs the same command several times: each is listed once
+        times = {c: commands.count(c) for c in commands}
+        lines += ["Commands, in the order they first ran into this folder:", ""]
+        lines += [f"- `{c}`" + (f" (run {n} times)" if n > 1 else "") for c, n in times.items()]
+        lines += [""]
     if runs:
         lines += [
             "<!-- --8<-- [start:scale] -->",
@@ -474,8 +480,8 @@ def write_report(
                 "counted (its record holds the SSL steps' FLOPs only)."
             ),
         ]
-    if missing:
-        lines += ["", "Not finished (no summary.json): " + ", ".join(missing)]
+    if unfinished:
+        lines += ["", unfinished.line()]
     lines += ["", "<!-- --8<-- [end:table] -->"]
     aligned = alignment_lines(runs, order)
     if aligned:
@@ -648,15 +654,68 @@ def study_commands(record: dict[str, Any]) -> list[str]:
     return [str(record["command"])] if record.get("command") else []
 
 
+def planned_runs(record: dict[str, Any]) -> list[tuple[str, int]]:
+    """Every (variant, seed) of the study file, seed-major, also when a command narrowed its variants or seeds (a
+    record from before ``file_seeds``: the seeds of the last command)."""
+    variants = [str(v) for v in (record.get("variant_order") or record.get("variants") or {})]
+    seeds = record.get("file_seeds") or record.get("seeds") or []
+    return [(variant, int(seed)) for seed in seeds for variant in variants]
+
+
+@dataclass
+class Unfinished:
+    """The runs of a study folder without a result."""
+
+    planned: int  # the runs of the study file
+    planned_without_result: int
+    started: list[str]  # run folders without summary.json: "variant seed N", or the folder's name
+    not_started: list[tuple[str, int]]  # runs of the study file without a folder
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.not_started)
+
+    def line(self) -> str:
+        """One sentence for the report: how many of the study's runs have no result, and which."""
+        parts = []
+        if self.planned:
+            parts.append(f"Runs without a result: {self.planned_without_result} of the study's {self.planned}.")
+        else:
+            parts.append("Runs without a result:")
+        if self.started:
+            parts.append(f"Started, not finished: {', '.join(self.started)}.")
+        if self.not_started:
+            seeds: dict[str, list[int]] = {}
+            for variant, seed in self.not_started:
+                seeds.setdefault(variant, []).append(seed)
+            listed = [
+                f"{variant}: {'seed' if len(s) == 1 else 'seeds'} {', '.join(str(x) for x in sorted(s))}"
+                for variant, s in seeds.items()
+            ]
+            parts.append(f"Not started: {'; '.join(listed)}.")
+        return " ".join(parts)
+
+
+def unfinished_runs(study_dir: Path) -> Unfinished:
+    """The study folder's run folders without ``summary.json`` and the study file's runs without a folder."""
+    study_dir = Path(study_dir)
+    planned = planned_runs(study_record(study_dir))
+    label = {run_folder_name(v, s): f"{v} seed {s}" for v, s in planned}
+    runs_dir = study_dir / "runs"
+    folders = sorted(p for p in runs_dir.glob("*") if p.is_dir()) if runs_dir.is_dir() else []
+    started = [label.get(p.name, p.name) for p in folders if not (p / "summary.json").is_file()]
+    present = {p.name for p in folders}
+    finished = {p.name for p in folders if (p / "summary.json").is_file()}
+    not_started = [(v, s) for v, s in planned if run_folder_name(v, s) not in present]
+    without_result = sum(run_folder_name(v, s) not in finished for v, s in planned)
+    variants = list(dict.fromkeys(v for v, _ in planned))
+    not_started.sort(key=lambda run: (variants.index(run[0]), run[1]))  # by variant, as the report's rows
+    return Unfinished(len(planned), without_result, started, not_started)
+
+
 def report_study(study_dir: Path, command: str = "") -> Path:
-    """``fedssl-study report``: the report of a study folder (every finished run)."""
+    """``fedssl-study report``: the report of a study folder (every finished run; the runs without a result named)."""
     study_dir = Path(study_dir)
     runs, order = study_runs(study_dir)
-    unfinished = (
-        sorted(p.name for p in (study_dir / "runs").glob("*") if not (p / "summary.json").is_file())
-        if (study_dir / "runs").is_dir()
-        else []
-    )
     record = study_record(study_dir)
     return write_report(
         study_dir,
@@ -664,7 +723,7 @@ def report_study(study_dir: Path, command: str = "") -> Path:
         order,
         title=f"Study {record.get('study', study_dir.name)}",
         command=[command] if command else study_commands(record),
-        missing=unfinished,
+        unfinished=unfinished_runs(study_dir),
     )
 
 

@@ -38,7 +38,7 @@ from server_app.provenance import config_hash, git_state
 
 from .launcher import Launcher, LaunchError
 from .report import study_commands, study_record
-from .spec import Study, slug, validate_experiment
+from .spec import Study, run_folder_name, validate_experiment
 
 RUNS = "runs"
 IGNORED_FOR_REUSE = ("name", "output_dir")  # what may differ between two runs of one experiment
@@ -99,7 +99,7 @@ class RunOutcome:
 
 
 def run_folder(study_dir: Path, variant: str, seed: int) -> Path:
-    return Path(study_dir) / RUNS / f"{slug(variant)}-seed{seed}"
+    return Path(study_dir) / RUNS / run_folder_name(variant, seed)
 
 
 def has_checkpoint(folder: Path) -> bool:
@@ -158,6 +158,7 @@ class StudyRunner:
             "file": str(self.study.path),
             "base": str(self.study.base),
             "seeds": self.study.seeds,
+            "file_seeds": self.study.file_seeds or self.study.seeds,
             "overrides": self.study.overrides,
             "variants": self.study.variants,
             "variant_order": self.study.variant_order or list(self.study.variants),

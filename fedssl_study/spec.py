@@ -44,6 +44,8 @@ class Study:
     description: str = ""
     # every variant of the file, in its order, also when --variants narrowed ``variants`` (a report's row order)
     variant_order: list[str] = field(default_factory=list)
+    # every seed of the file, also when --seeds narrowed ``seeds`` (what a report counts as not run yet)
+    file_seeds: list[int] = field(default_factory=list)
 
     def runs(self) -> list[tuple[str, int]]:
         """Every (variant, seed), seed-major: a study stopped part-way has every variant of its first seeds."""
@@ -61,6 +63,11 @@ class Study:
         tree["seed"] = int(seed)
         tree["name"] = f"{self.name}-{slug(variant)}-seed{seed}"
         return tree
+
+
+def run_folder_name(variant: str, seed: int) -> str:
+    """The folder of one run of a study, under the study folder's ``runs/``."""
+    return f"{slug(variant)}-seed{seed}"
 
 
 def slug(text: str) -> str:
@@ -130,6 +137,7 @@ def load_study(
         description=str(raw.get("description", "")),
         variant_order=list(parsed),
     )
+    study.file_seeds = list(study.seeds)
     if seeds is not None:
         study.seeds = _seeds(list(seeds), "--seeds")
     if variants:

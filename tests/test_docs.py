@@ -123,8 +123,9 @@ def test_a_published_report_reaches_the_readme_and_the_studies_page(tmp_path, mo
 
 
 def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(tmp_path, monkeypatch):
-    """--publish copies study.yaml and every finished run's summary.json, metrics.jsonl and run.json with no local
-    path left in them; the published folder is a study folder whose report is the original one."""
+    """--publish refuses a study some of whose runs have no result, naming them, unless --partial; it copies
+    study.yaml and every finished run's summary.json, metrics.jsonl and run.json with no local path left in them;
+    the published folder is a study folder whose report is the original one."""
     import json
 
     import yaml
@@ -149,12 +150,17 @@ def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(t
                 "file": "/some/where/checkout/configs/studies/cpu/flesd.yaml",
                 "command": "fedssl-study run x.yaml --set data.path=/some/where/c.npz --out /some/where/o",
                 "variants": {"A": {}, "B": {}},
+                "seeds": [0, 1],
             }
         )
     )
     report_study(study)
     monkeypatch.setattr(gen, "PUBLISHED", tmp_path / "published")
-    out = gen.publish(study)
+    with pytest.raises(gen.UnfinishedStudy, match=r"2 of the study's 4\. Started, not finished: B seed 0\. Not "):
+        gen.publish(study)
+    assert gen.main(["--publish", str(study)]) == 2 and not (tmp_path / "published").exists()
+    out = gen.publish(study, partial=True)
+    assert "Runs without a result: 2 of the study's 4." in (out / "report.md").read_text()
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["a-seed0", "a-seed1"]
     for path in [out / "study.yaml", *(out / "runs").rglob("*")]:
         if path.is_file():

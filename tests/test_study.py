@@ -312,8 +312,9 @@ def test_an_interrupt_while_a_run_is_submitted_stops_the_study_cleanly(tmp_path)
 
 def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
     """A study folder filled one variant at a time (--variants, --seeds) holds runs from several commands:
-    study.yaml keeps every command, oldest first and once each, and the report lists them all, not the last one
-    alone (a record from before the list shows its one command); its rows keep the study file's order."""
+    study.yaml keeps every command, oldest first (a command repeated at once: once), and the report lists each
+    once, in the order it first ran, not the last one alone (a record from before the list shows its one command);
+    its rows keep the study file's order."""
     from fedssl_study.report import study_commands
     from fedssl_study.runner import StudyRunner
 
@@ -332,12 +333,17 @@ def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
         ("fedssl-study run s.yaml --variants A", "A"),
         ("fedssl-study run s.yaml --variants B", "B"),
         ("fedssl-study run s.yaml --variants B", "B"),
+        ("fedssl-study run s.yaml --variants A", "A"),
     ):
         StudyRunner(load_study(path, variants=[only]), out, launcher=None, command=command).write_study_record()
     record = yaml.safe_load((out / "study.yaml").read_text())
-    assert record["commands"] == ["fedssl-study run s.yaml --variants A", "fedssl-study run s.yaml --variants B"]
-    assert record["command"] == "fedssl-study run s.yaml --variants B"
-    assert list(record["variants"]) == ["B"] and record["variant_order"] == ["A", "B"]
+    assert record["commands"] == [
+        "fedssl-study run s.yaml --variants A",
+        "fedssl-study run s.yaml --variants B",
+        "fedssl-study run s.yaml --variants A",
+    ]
+    assert record["command"] == "fedssl-study run s.yaml --variants A"
+    assert list(record["variants"]) == ["A"] and record["variant_order"] == ["A", "B"]
     assert study_commands({"command": "fedssl-study run old.yaml"}) == ["fedssl-study run old.yaml"]
     fake_run(out / "runs" / "b-seed0", "B", 0, 0.41, 0.3, 0.33)
     fake_run(out / "runs" / "a-seed0", "A", 0, 0.40, 0.3, 0.33)
@@ -347,12 +353,49 @@ def test_a_study_filled_by_several_commands_records_and_reports_each(tmp_path):
 
     text = report_study(out).read_text()
     assert (
-        "Commands, in the order they ran into this folder:\n\n- `fedssl-study run s.yaml --variants A`\n"
-        "- `fedssl-study run s.yaml --variants B`\n" in text
+        "Commands, in the order they first ran into this folder:\n\n"
+        "- `fedssl-study run s.yaml --variants A` (run 2 times)\n- `fedssl-study run s.yaml --variants B`\n" in text
     )
     assert "Command: `" not in text
     write_report(tmp_path / "one", [], [], title="t", command="fedssl-report r1 r2")
     assert "Command: `fedssl-report r1 r2`" in (tmp_path / "one" / "report.md").read_text()
+
+
+def test_the_report_names_the_study_runs_without_a_result(tmp_path):
+    """Runs of the study file with no summary.json are named under the table: those started (a run folder) and
+    those not started, also the seeds a --seeds command left out, so a study stopped part-way does not read as a
+    finished one with fewer seeds."""
+    from fedssl_study.report import report_study, unfinished_runs
+    from fedssl_study.runner import StudyRunner
+
+    path = write(
+        tmp_path / "s.yaml",
+        {
+            "study": "demo",
+            "base": str(REPO / "configs" / "smoke.yaml"),
+            "seeds": [0, 1],
+            "overrides": {"data.dataset": "synthetic"},
+            "variants": {"A": {}, "Bee (two)": {"train.lr": 0.01}, "C": {}},
+        },
+    )
+    out = tmp_path / "out"
+    StudyRunner(load_study(path, seeds=[0]), out, launcher=None, command="c").write_study_record()
+    record = yaml.safe_load((out / "study.yaml").read_text())
+    assert record["seeds"] == [0] and record["file_seeds"] == [0, 1]
+    fake_run(out / "runs" / "a-seed0", "A", 0, 0.40, 0.3, 0.33)
+    fake_run(out / "runs" / "c-seed1", "C", 1, 0.42, 0.3, 0.33)
+    (out / "runs" / "bee-two-seed0").mkdir()  # started, stopped before its result
+    line = (
+        "Runs without a result: 4 of the study's 6. Started, not finished: Bee (two) seed 0. "
+        "Not started: A: seed 1; Bee (two): seed 1; C: seed 0."
+    )
+    assert unfinished_runs(out).line() == line
+    text = report_study(out).read_text()
+    assert line in text.split("<!-- --8<-- [end:table] -->")[0]  # with the table: a docs page quoting it shows it
+    (out / "runs" / "bee-two-seed0").rmdir()
+    for variant, seed in (("A", 1), ("Bee (two)", 0), ("Bee (two)", 1), ("C", 0)):
+        fake_run(out / "runs" / f"{slug(variant)}-seed{seed}", variant, seed, 0.4, 0.3, 0.33)
+    assert not unfinished_runs(out) and "without a result" not in report_study(out).read_text()
 
 
 def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(tmp_path):
