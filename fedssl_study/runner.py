@@ -290,9 +290,8 @@ class StudyRunner:
             )
         seconds = time.monotonic() - started
         if (folder / "summary.json").is_file():
-            if (
-                cfg.rounds > rounds_before
-            ):  # the whole run at this attempt's pace (a resumed one trained its last rounds)
+            # the whole run at this attempt's pace (a resumed one trained its last rounds only)
+            if cfg.rounds > rounds_before:
                 self.durations.append(seconds * cfg.rounds / (cfg.rounds - rounds_before))
             return self._finish(info, info_path, RunOutcome(variant, seed, folder, "finished", seconds), head)
         last = last_progress_line(folder)

@@ -127,17 +127,18 @@ def load_study(
     file_overrides = raw.get("overrides") or {}
     if not isinstance(file_overrides, Mapping):
         raise ConfigError(f"overrides: must be a mapping of overrides (got {file_overrides!r})")
+    file_seeds = _seeds(raw.get("seeds", [0]), "seeds")
     study = Study(
         name=str(raw.get("study") or path.stem),
         path=path,
         base=base,
-        seeds=_seeds(raw.get("seeds", [0]), "seeds"),
+        seeds=list(file_seeds),
         variants=parsed,
         overrides=merge_config(file_overrides, overrides or {}),
         description=str(raw.get("description", "")),
         variant_order=list(parsed),
+        file_seeds=file_seeds,
     )
-    study.file_seeds = list(study.seeds)
     if seeds is not None:
         study.seeds = _seeds(list(seeds), "--seeds")
     if variants:
