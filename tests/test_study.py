@@ -572,6 +572,86 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     assert resolved["strategy"]["options"]["tau"] == 0.7 and "mu_mode" in resolved["strategy"]["options"]
 
 
+def test_status_polls_double_their_gap_up_to_the_cap_and_come_at_once_when_the_folder_says_the_end(tmp_path):
+    from fedssl_study.runner import StatusPolls, run_said_it_ended
+
+    polls = StatusPolls(3.0, 30.0, now=0.0)
+    asked = [t for t in range(200) if polls.due(float(t), ended_here=False)]
+    assert asked == [0, 3, 9, 21, 45, 75, 105, 135, 165, 195]  # gaps 3, 6, 12, 24, then 30
+    assert polls.due(196.0, ended_here=True) and polls.due(197.0, ended_here=True)  # the end: every poll
+    # the folder's word: a "stopped:" line of this attempt (a resumed run's log holds the earlier attempts' lines)
+    (tmp_path / "progress.log").write_text("round 1/3\nstopped: the ServerApp ended after round 1\nresuming\n")
+    assert not run_said_it_ended(tmp_path, lines_before=2) and run_said_it_ended(tmp_path, lines_before=1)
+    (tmp_path / "summary.json").write_text("{}")
+    assert run_said_it_ended(tmp_path, lines_before=3)
+
+
+@pytest.mark.parametrize("ending", ["summary", "stopped line", "silent failure"])
+def test_a_run_is_watched_with_few_status_calls_and_its_end_is_seen_at_once(tmp_path, monkeypatch, ending):
+    """The runner reads the run's folder every poll and asks ``flwr ls`` (a process importing Flower) rarely: a
+    finished or stopped run is noticed at the next poll; a run that ends without a word in its folder (its
+    ServerApp never started) within the cap of the status gap."""
+    from types import SimpleNamespace
+
+    from fedssl_study import runner
+
+    study = load_study(
+        write(
+            tmp_path / "s.yaml",
+            {
+                "study": "demo",
+                "base": str(REPO / "configs" / "smoke.yaml"),
+                "overrides": {"data.dataset": "synthetic", "rounds": 2},
+                "variants": {"A": {}},
+            },
+        )
+    )
+    folder = tmp_path / "out" / "runs" / "a-seed0"
+    clock = SimpleNamespace(t=0.0)
+    end_at = 200.0
+
+    def sleep(seconds):
+        before, clock.t = clock.t, clock.t + seconds
+        if before < 100.0 <= clock.t and ending != "silent failure":
+            (folder / "metrics.jsonl").write_text('{"round": 1}\n')
+        if before < end_at <= clock.t:
+            if ending == "summary":
+                (folder / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+                (folder / "summary.json").write_text("{}")
+            elif ending == "stopped line":
+                with open(folder / "progress.log", "a") as log:
+                    log.write("stopped: ValueError: something\n")
+
+    class Launcher:
+        def __init__(self):
+            self.asked: list[float] = []
+
+        def submit(self, run_config, num_supernodes=None):
+            return 7
+
+        def status(self, run_id):
+            self.asked.append(clock.t)
+            return "finished:completed" if clock.t >= end_at else None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(
+        runner, "time", SimpleNamespace(monotonic=lambda: clock.t, sleep=sleep, strftime=lambda *a: "now")
+    )
+    launcher = Launcher()
+    said: list[str] = []
+    runner.StudyRunner(study, tmp_path / "out", launcher, say=said.append, poll_s=3.0, status_max_s=30.0).run()
+    while_running = [t for t in launcher.asked if t < end_at]
+    assert len(while_running) <= 10, launcher.asked  # every 3 s would be 67 calls
+    seen = launcher.asked[-1]
+    assert seen - end_at <= (3.0 if ending != "silent failure" else 30.0), launcher.asked
+    if ending == "summary":
+        assert any("done in" in line for line in said), said
+    else:
+        assert any("FAILED" in line for line in said), said
+
+
 def test_the_study_eta_counts_the_rounds_a_resumed_run_still_has_to_train():
     from fedssl_study.runner import study_time_left
 
