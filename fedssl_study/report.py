@@ -367,9 +367,40 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
             f"{' with uncommitted changes' if dirty else ''}"
         )
         seen.setdefault(text, []).append(f"{run.variant} seed {run.seed}")
-    if not seen:
-        return ["(these runs record no provenance)"]
-    return [f"- {text}: {len(names)} run(s)" for text, names in seen.items()]
+    lines = [f"- {text}: {len(names)} run(s)" for text, names in seen.items()] or ["(these runs record no provenance)"]
+    return lines + mixed_code_lines(runs)
+
+
+def mixed_code_lines(runs: list[RunData]) -> list[str]:
+    """A line per run whose attempts ran on more than one version of the app code (a run resumed after the checkout
+    changed): the line above names only the code of its last attempt. From run.json's attempts (a study records
+    each attempt's code; runs from before that record none and get no line)."""
+    lines = []
+    for run in runs:
+        info_path = run.folder / "run.json"
+        attempts = json.loads(info_path.read_text()).get("attempts", []) if info_path.is_file() else []
+        if not any(a.get("app_digest") for a in attempts):
+            continue
+        versions: dict[str, list[int]] = {}
+        for number, attempt in enumerate(attempts, 1):
+            digest, commit = attempt.get("app_digest"), attempt.get("git_commit")
+            version = (
+                f"app code {digest[:12]}, commit {commit[:12] if commit else 'unknown'}"
+                f"{' with uncommitted changes' if attempt.get('git_dirty') else ''}"
+                if digest
+                else "code not recorded"
+            )
+            versions.setdefault(version, []).append(number)
+        if len(versions) > 1:
+            parts = [
+                f"{version} (attempt{'s' if len(n) > 1 else ''} {', '.join(map(str, n))})"
+                for version, n in versions.items()
+            ]
+            lines.append(
+                f"- {run.variant} seed {run.seed} ran on more than one version of the code, resumed between "
+                f"them: {'; '.join(parts)}"
+            )
+    return lines
 
 
 def scale_line(runs: list[RunData]) -> str:

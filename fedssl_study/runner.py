@@ -123,6 +123,15 @@ def rounds_done(folder: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
+def attempt_app_digest(launcher) -> str | None:
+    """The digest of the app code a submitted run gets (the launcher's app folder, read now: the runner outlives
+    edits of the checkout, so the per-process cached value would go stale); None for a launcher without a folder."""
+    from fedssl_wire import app_code_digest
+
+    app_dir = getattr(launcher, "app_dir", None)
+    return app_code_digest.__wrapped__(Path(app_dir)) if app_dir else None
+
+
 def run_said_it_ended(folder: Path, lines_before: int = 0) -> bool:
     """The run's folder shows its end: ``summary.json`` written, or a "stopped: ..." progress line of the ServerApp
     (a failure, ``flwr stop`` or an interrupt) after the first ``lines_before`` lines (an earlier attempt's)."""
@@ -274,7 +283,17 @@ class StudyRunner:
             run_id = self.launcher.submit(run_config, cfg.federation.num_clients)
         except LaunchError as exc:
             return self._finish(info, info_path, RunOutcome(variant, seed, folder, "failed", 0.0, str(exc)), head)
-        info["attempts"].append({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed": resume})
+        info["attempts"].append(
+            {
+                "run_id": run_id,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "resumed": resume,
+                # each attempt's code: a run resumed after the checkout changed trained on more than one version
+                "app_digest": attempt_app_digest(self.launcher),
+                "git_commit": commit,
+                "git_dirty": dirty,
+            }
+        )
         info_path.write_text(json.dumps(info, indent=2))
         seen = -1
         rounds_before = rounds_done(folder) if resume else 0  # a resumed run trains only the rounds after these

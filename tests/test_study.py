@@ -21,6 +21,7 @@ from fedssl_study.launcher import processes_with_env
 from fedssl_study.report import report_runs, study_runs, write_report
 from fedssl_study.runner import has_checkpoint
 from fedssl_study.spec import load_study, slug
+from fedssl_wire import app_code_digest
 from ssl_models.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -398,6 +399,39 @@ def test_the_report_names_the_study_runs_without_a_result(tmp_path):
     assert not unfinished_runs(out) and "without a result" not in report_study(out).read_text()
 
 
+def test_a_run_resumed_on_other_code_is_named_under_the_provenance(tmp_path):
+    """The provenance line of a run names its last attempt's code; a run whose attempts ran on different code (the
+    checkout changed between a stop and the resume) gets its own line naming each version and its attempts. Runs
+    that record no per-attempt code (from before the record) and runs on one version get none."""
+    from fedssl_study.report import report_study
+
+    out = tmp_path / "study"
+
+    def attempts(folder, *versions):
+        info = json.loads((folder / "run.json").read_text())
+        info["attempts"] = [
+            {"run_id": i, "outcome": "finished", **({"app_digest": d, "git_commit": c} if d else {})}
+            for i, (d, c) in enumerate(versions)
+        ]
+        (folder / "run.json").write_text(json.dumps(info))
+
+    for seed in (0, 1, 2):
+        fake_run(out / "runs" / f"a-seed{seed}", "A", seed, 0.40, 0.3, 0.33)
+    attempts(out / "runs" / "a-seed0", ("a" * 64, "1" * 40), ("a" * 64, "1" * 40), ("b" * 64, "2" * 40))
+    attempts(out / "runs" / "a-seed1", ("a" * 64, "1" * 40), ("a" * 64, "1" * 40))
+    attempts(out / "runs" / "a-seed2", (None, None), ("b" * 64, None))
+    text = report_study(out).read_text()
+    assert (
+        "- A seed 0 ran on more than one version of the code, resumed between them: app code aaaaaaaaaaaa, commit "
+        "111111111111 (attempts 1, 2); app code bbbbbbbbbbbb, commit 222222222222 (attempt 3)"
+    ) in text
+    assert (
+        "- A seed 2 ran on more than one version of the code, resumed between them: code not recorded (attempt 1)"
+        in text
+    )
+    assert "A seed 1 ran" not in text
+
+
 def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(tmp_path):
     """--reuse: a (variant, seed) whose resolved config, seed included and name and output folder left out, equals
     a finished run's of another study folder is copied from there (records, not checkpoints) with run.json naming
@@ -623,6 +657,8 @@ def test_a_run_is_watched_with_few_status_calls_and_its_end_is_seen_at_once(tmp_
                     log.write("stopped: ValueError: something\n")
 
     class Launcher:
+        app_dir = REPO
+
         def __init__(self):
             self.asked: list[float] = []
 
@@ -650,6 +686,8 @@ def test_a_run_is_watched_with_few_status_calls_and_its_end_is_seen_at_once(tmp_
         assert any("done in" in line for line in said), said
     else:
         assert any("FAILED" in line for line in said), said
+    (attempt,) = json.loads((folder / "run.json").read_text())["attempts"]
+    assert attempt["app_digest"] == app_code_digest(REPO)  # each attempt records the code it ran on
 
 
 def test_the_study_eta_counts_the_rounds_a_resumed_run_still_has_to_train():
