@@ -587,7 +587,9 @@ def test_study_runs_resumes_after_ctrl_c_skips_finished_runs_and_reports_them(tm
     ), output
     info = json.loads((first_run / "run.json").read_text())
     assert [a["resumed"] for a in info["attempts"]] == [False, True] and info["attempts"][-1]["outcome"] == "finished"
-    assert [a["app_digest"] for a in info["attempts"]] == [app_code_digest(REPO)] * 2  # the code of each attempt
+    # the code of each attempt, as the ServerApp records it for the run
+    summary = json.loads((first_run / "summary.json").read_text())
+    assert [a["app_digest"] for a in info["attempts"]] == [summary["provenance"]["app_digest"]] * 2
     assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 5
     # 3. Once more: every run finished earlier, nothing runs
     proc = study_cli(study, out)
