@@ -396,10 +396,12 @@ def mixed_code_lines(runs: list[RunData]) -> list[str]:
                 f"{version} (attempt{'s' if len(n) > 1 else ''} {', '.join(map(str, n))})"
                 for version, n in versions.items()
             ]
-            lines.append(
-                f"- {run.variant} seed {run.seed} ran on more than one version of the code, resumed between "
-                f"them: {'; '.join(parts)}"
+            what = (
+                "resumed, with the code of some attempts not recorded"
+                if "code not recorded" in versions
+                else "ran on more than one version of the code, resumed between them"
             )
+            lines.append(f"- {run.variant} seed {run.seed} {what}: {'; '.join(parts)}")
     return lines
 
 

@@ -426,7 +426,7 @@ def test_a_run_resumed_on_other_code_is_named_under_the_provenance(tmp_path):
         "111111111111 (attempts 1, 2); app code bbbbbbbbbbbb, commit 222222222222 (attempt 3)"
     ) in text
     assert (
-        "- A seed 2 ran on more than one version of the code, resumed between them: code not recorded (attempt 1)"
+        "- A seed 2 resumed, with the code of some attempts not recorded: code not recorded (attempt 1); app code bbb"
         in text
     )
     assert "A seed 1 ran" not in text
