@@ -734,11 +734,10 @@ def unfinished_runs(study_dir: Path) -> Unfinished:
     planned = planned_runs(study_record(study_dir))
     label = {run_folder_name(v, s): f"{v} seed {s}" for v, s in planned}
     runs_dir = study_dir / "runs"
-    folders = sorted(p for p in runs_dir.glob("*") if p.is_dir()) if runs_dir.is_dir() else []
-    started = [label.get(p.name, p.name) for p in folders if not (p / "summary.json").is_file()]
-    present = {p.name for p in folders}
-    finished = {p.name for p in folders if (p / "summary.json").is_file()}
-    not_started = [(v, s) for v, s in planned if run_folder_name(v, s) not in present]
+    folders = sorted(p.name for p in runs_dir.glob("*") if p.is_dir()) if runs_dir.is_dir() else []
+    finished = {name for name in folders if (runs_dir / name / "summary.json").is_file()}
+    started = [label.get(name, name) for name in folders if name not in finished]
+    not_started = [(v, s) for v, s in planned if run_folder_name(v, s) not in folders]
     without_result = sum(run_folder_name(v, s) not in finished for v, s in planned)
     variants = list(dict.fromkeys(v for v, _ in planned))
     not_started.sort(key=lambda run: (variants.index(run[0]), run[1]))  # by variant, as the report's rows
