@@ -78,8 +78,11 @@ def where_this_runs(where: placement.Placement) -> ConfigRecord:
         try:
             import ray
 
-            info["ray-node"] = str(ray.get_runtime_context().get_node_id())
-            info["node-ip"] = str(ray.util.get_node_ip_address())
+            # A Ray worker is connected; anywhere else (a test standing in for a simulation) the runtime context
+            # would start a local Ray instance, seconds of CPU and a cluster left running, for a description.
+            if ray.is_initialized():
+                info["ray-node"] = str(ray.get_runtime_context().get_node_id())
+                info["node-ip"] = str(ray.util.get_node_ip_address())
         except Exception:  # noqa: BLE001, S110 - a description, never a reason to fail a round
             pass
     return ConfigRecord(info)

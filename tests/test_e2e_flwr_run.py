@@ -15,6 +15,11 @@ from flwr_harness import REPO, flwr_run, read_jsonl
 pytestmark = pytest.mark.e2e
 
 
+# For runs whose test checks the training, not the final scores: a short probe and no random-init reference (the
+# smoke and central tests check those).
+SHORT_EVAL = "eval.probe_epochs=5 eval.random_init_reference=false"
+
+
 def data_overrides():
     from conftest import cifar10_npz
 
@@ -166,7 +171,9 @@ def test_client_count_mismatch_stops_with_instructions(tmp_path):
 
 def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke-fedema.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke-fedema.yaml' output-dir='{out}' {data_overrides()} {SHORT_EVAL}", tmp_path / "flwr"
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2, 3]
@@ -195,7 +202,9 @@ def test_fedema_smoke_keeps_client_state_across_rounds(tmp_path):
 
 def test_flesd_smoke_mixed_resnet18_resnet34_federation(tmp_path):
     out = tmp_path / "out"
-    proc = flwr_run(f"config='configs/smoke-flesd.yaml' output-dir='{out}' {data_overrides()}", tmp_path / "flwr")
+    proc = flwr_run(
+        f"config='configs/smoke-flesd.yaml' output-dir='{out}' {data_overrides()} {SHORT_EVAL}", tmp_path / "flwr"
+    )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
     rounds = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rounds] == [1, 2]

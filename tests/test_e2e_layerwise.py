@@ -1,13 +1,13 @@
-"""Real `flwr run .` simulations of every layer-wise variant (LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD) and of
-FedMoCoV3 (strategy fedssl + MoCo v3 + the ViT), on configs/smoke-lwfedssl.yaml (3 stages of 2 rounds)."""
+"""Real `flwr run .` simulations of every layer-wise variant (LW-FedSSL, FedMoCo-LW, Prog-FedSSL, FLL+DD), on
+configs/smoke-lwfedssl.yaml (3 stages of 2 rounds). FedMoCoV3 (strategy fedssl, whose `flwr run` test is the smoke
+test's, with MoCo v3 and the whole 12-block ViT) runs in process: tests/test_run_inprocess.py."""
 
 import json
 import math
 
 import pytest
-import yaml
 
-from flwr_harness import REPO, flwr_run, read_jsonl
+from flwr_harness import flwr_run, read_jsonl
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -30,10 +30,14 @@ def data_overrides():
     return f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
 
 
+# What these tests check (stages, blocks exchanged, bytes and FLOPs books) needs few steps and a short probe.
+SHORT = "train.max_steps_per_epoch=2 eval.probe_epochs=5 eval.random_init_reference=false"
+
+
 def run(tmp_path, extra: str = "", config: str = SMOKE):
     out = tmp_path / "out"
     proc = flwr_run(
-        f"config='{config}' output-dir='{out}' {data_overrides()} {extra}", tmp_path / "flwr", timeout_s=300
+        f"config='{config}' output-dir='{out}' {data_overrides()} {SHORT} {extra}", tmp_path / "flwr", timeout_s=300
     )
     log = proc.stdout + proc.stderr
     assert (out / "summary.json").is_file(), log[-4000:]
@@ -110,19 +114,3 @@ def test_fll_dd_smoke_drops_frozen_blocks(tmp_path):
             assert c["depth_dropout"] == 0.5
             assert (c["flops_expected"] < c["flops_total"]) == (r["stage"] > 1)  # frozen blocks exist from stage 2
     print("resources:", json.dumps(resources["run"]))
-
-
-def test_fedmocov3_smoke_is_fedssl_on_the_full_vit(tmp_path):
-    raw = yaml.safe_load((REPO / SMOKE).read_text())
-    raw["name"] = "smoke-fedmocov3"
-    raw["strategy"] = {"name": "fedssl"}  # end to end: the whole 12-block model both ways
-    raw["rounds"] = 2  # no stages; 12 blocks cost about 4x a 3-block sub-model's step
-    raw["train"]["max_steps_per_epoch"] = 2
-    config = tmp_path / "fedmocov3.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    out, rounds, summary = run(tmp_path, config=str(config))
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["bytes_down"] == r["bytes_up"] > 0 and math.isfinite(r["train_loss"]) for r in rounds)
-    backbone, info = load_encoder_checkpoint(out / "model.pt")
-    assert info["arch_options"] == {"depth": 12} and len(backbone.blocks) == 12
-    assert summary["strategy"] == "fedssl" and summary["method"] == "mocov3"

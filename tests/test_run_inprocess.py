@@ -15,6 +15,7 @@ from flwr.app import Context, Error, Message, RecordDict
 import server_app.app as server_module
 import server_app.results as results_module
 from client_app.app import app as client_app
+from conftest import REPO
 from fedssl_wire import from_array_record, to_array_record
 from test_server_app import ClientAppGrid, simulated_clientapps  # noqa: F401 - an autouse fixture
 
@@ -68,6 +69,67 @@ def test_knn_every_two_scores_rounds_two_and_three(tmp_path, monkeypatch):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert [r.get("knn_acc") is not None for r in rounds] == [False, True, True]  # 3 is the last round
     assert json.loads((out / "summary.json").read_text())["knn_acc"] == rounds[-1]["knn_acc"]
+
+
+def test_resuming_a_finished_run_says_so_and_changes_no_file(tmp_path, monkeypatch):
+    """``resume=<output-dir>`` of a run whose last round is checkpointed and summary.json written: the ServerApp says
+    there is nothing to do and leaves every file as it was, whatever else the run config says (tests/test_e2e_resume.py
+    resumes a run cut in the middle, under `flwr run`)."""
+    out, rounds = run(tmp_path, monkeypatch, ClientAppGrid(2))
+    assert [r["round"] for r in rounds] == [1, 2, 3] and (out / "summary.json").is_file()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    said: list[str] = []
+    monkeypatch.setattr(server_module, "log", lambda level, msg, *args: said.append(msg % args))
+    grid = ClientAppGrid(2)
+    server_module.main(
+        grid,
+        Context(
+            run_id=2,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config={"resume": str(out), "config": "configs/smoke.yaml", "train.lr": 0.5},
+        ),
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert any("finished (round 3 of 3, summary.json written): nothing to do, nothing changed" in s for s in said), said
+    assert grid.uploads == {}  # no client trained
+
+
+def test_fedmocov3_is_fedssl_on_the_whole_vit(tmp_path, monkeypatch):
+    """FedMoCoV3, the layer-wise methods' end-to-end baseline: strategy fedssl with MoCo v3 on the 12-block ViT of
+    configs/smoke-lwfedssl.yaml, the whole model both ways every round, and model.pt holding all 12 blocks (what
+    fedssl-eval reads)."""
+    from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
+
+    raw = yaml.safe_load((REPO / "configs" / "smoke-lwfedssl.yaml").read_text())
+    raw["name"] = "fedmocov3-inprocess"
+    raw["strategy"] = {"name": "fedssl"}  # no stages: the whole model
+    raw["rounds"] = 2
+    raw["data"] = {"dataset": "synthetic", "synthetic_train": 96, "synthetic_test": 32, "partition": "iid"}
+    raw["federation"] = {"num_clients": 2, "node_wait_s": 0.0}
+    raw["train"].update(max_steps_per_epoch=2, batch_size=16, device="cpu")
+    raw["eval"] = {"knn_every": 0, "linear_probe": False, "random_init_reference": False, "device": "cpu"}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    monkeypatch.setattr(results_module.ResultsWriter, "plot", lambda self, title: None)
+    server_module.main(
+        ClientAppGrid(2),
+        Context(
+            run_id=1,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config={"config": str(tmp_path / "cfg.yaml"), "output-dir": str(out)},
+        ),
+    )
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["bytes_down"] == r["bytes_up"] > 0 and np.isfinite(r["train_loss"]) for r in rounds)
+    backbone, info = load_encoder_checkpoint(out / "model.pt")
+    assert info["arch_options"] == {"depth": 12} and len(backbone.blocks) == 12
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == "fedssl" and summary["method"] == "mocov3"
 
 
 class FaultyGrid(ClientAppGrid):
