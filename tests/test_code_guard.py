@@ -172,6 +172,7 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
     with the run (the FAB each node installs), so the guard finds the same digest on both sides and the run
     finishes; had a node imported the other checkout, its ClientApp would have refused (its digest differs)."""
     import os
+    import socket
     import time
 
     other = tmp_path / "other-checkout"
@@ -218,7 +219,14 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
                 stderr=subprocess.STDOUT,
             )
         )
-        time.sleep(5)
+        deadline = time.monotonic() + 120  # the SuperLink's Fleet API listens: the nodes can dial it
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and procs[0].poll() is None, (logs / "superlink.log").read_text()
+                time.sleep(0.2)
         for pid in (0, 1):
             procs.append(
                 subprocess.Popen(
@@ -251,7 +259,11 @@ def test_a_deployed_run_runs_the_submitted_code_on_supernodes_started_in_another
                 "dev",
                 "--stream",
                 "--run-config",
-                f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1",
+                # the run finishing is the check: no final probe, no random-init reference
+                (
+                    f"config='configs/smoke.yaml' data.dataset='synthetic' output-dir='{out}' rounds=1 "
+                    "eval.linear_probe=false eval.random_init_reference=false"
+                ),
             ],
             cwd=REPO,
             env={**base, "FLWR_HOME": str(cli_home)},
