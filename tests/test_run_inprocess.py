@@ -1,7 +1,8 @@
 """Whole runs of ``server_app.main`` in this process, its grid handing each message to the real ClientApp: the kNN
 monitor with ``knn_every > 1`` still scoring after the last round, ``round_timeout_s`` reaching the grid and a
-missing reply ending the round, and injected faults (a ClientApp that raises, a reply with NaN, with a wrong shape,
-with a missing array) that the run survives with its global model untouched by them."""
+missing reply ending the round, injected faults (a ClientApp that raises, a reply with NaN, with a wrong shape,
+with a missing array) that the run survives with its global model untouched by them, resuming a finished run, and
+FedMoCoV3 on the whole ViT."""
 
 from __future__ import annotations
 
