@@ -14,6 +14,18 @@ from fedssl_study.launcher import flwr_env, flwr_run, free_port, kill_processes_
 
 REPO = Path(__file__).resolve().parents[1]
 
+# For runs whose test checks the training, not the final scores: a short probe and no random-init reference (the
+# smoke and central tests check those).
+SHORT_EVAL = "eval.probe_epochs=5 eval.random_init_reference=false"
+
+
+def data_overrides() -> str:
+    """The run-config override for the tests' data: the CIFAR-10 dev copy where there is one, else synthetic."""
+    from conftest import cifar10_npz
+
+    npz = cifar10_npz()
+    return f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
+
 
 def kill_flwr_home_processes(flwr_home: Path, grace_s: float = 5.0) -> None:
     kill_processes_with_env("FLWR_HOME", str(flwr_home), grace_s)

@@ -44,7 +44,7 @@ from docker_engine import (
     script,
     sh,
 )
-from flwr_harness import free_port, read_jsonl
+from flwr_harness import SHORT_EVAL, free_port, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -261,7 +261,7 @@ def test_separate_machines_node_refused_stopped_and_back(images, tmp_path):
         run = cli.run(
             f"config='configs/smoke.yaml' rounds={rounds} data.path='/data/{cifar10_npz().name}' "
             "federation.round_timeout_s=300 federation.node_wait_s=300 "
-            "eval.probe_epochs=5 eval.random_init_reference=false",  # the run's course is the check
+            f"{SHORT_EVAL}",  # the run's course is the check
             log,
         )
         wait_for(lambda: progress_line(outputs, f"round 1/{rounds}"), 600, "round 1 to finish", run, log)

@@ -10,21 +10,9 @@ import pytest
 
 from client_app.placement import physical_gpu_count
 from conftest import skip_unless_required
-from flwr_harness import REPO, flwr_run, read_jsonl
+from flwr_harness import REPO, SHORT_EVAL, data_overrides, flwr_run, read_jsonl
 
 pytestmark = pytest.mark.e2e
-
-
-# For runs whose test checks the training, not the final scores: a short probe and no random-init reference (the
-# smoke and central tests check those).
-SHORT_EVAL = "eval.probe_epochs=5 eval.random_init_reference=false"
-
-
-def data_overrides():
-    from conftest import cifar10_npz
-
-    npz = cifar10_npz()
-    return f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
 
 
 def test_smoke_config_runs_end_to_end_and_fedssl_eval_scores_the_encoder(tmp_path):

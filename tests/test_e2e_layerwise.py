@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from flwr_harness import flwr_run, read_jsonl
+from flwr_harness import SHORT_EVAL, data_overrides, flwr_run, read_jsonl
 from ssl_models.evaluation.checkpoint import load_encoder_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -23,15 +23,8 @@ def one_torch_thread(monkeypatch):
 SMOKE = "configs/smoke-lwfedssl.yaml"
 
 
-def data_overrides():
-    from conftest import cifar10_npz
-
-    npz = cifar10_npz()
-    return f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
-
-
 # What these tests check (stages, blocks exchanged, bytes and FLOPs books) needs few steps and a short probe.
-SHORT = "train.max_steps_per_epoch=2 eval.probe_epochs=5 eval.random_init_reference=false"
+SHORT = f"train.max_steps_per_epoch=2 {SHORT_EVAL}"
 
 
 def run(tmp_path, extra: str = "", config: str = SMOKE):

@@ -280,12 +280,11 @@ def test_a_real_local_round_reports_fur_and_uploads_only_the_model():
 
 @pytest.mark.e2e
 def test_fedu2_smoke_run_records_fur_and_eua_per_round(tmp_path):
-    from flwr_harness import flwr_run, read_jsonl
-    from test_e2e_flwr_run import data_overrides
+    from flwr_harness import SHORT_EVAL, data_overrides, flwr_run, read_jsonl
 
     out = tmp_path / "out"
     proc = flwr_run(
-        f"config='configs/smoke-fedu2.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 eval.probe_epochs=5 eval.random_init_reference=false",
+        f"config='configs/smoke-fedu2.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 {SHORT_EVAL}",
         tmp_path / "flwr",
     )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]

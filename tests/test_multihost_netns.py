@@ -26,7 +26,7 @@ import pytest
 
 from compose_native import DOCKER_DIR, REPO, NativeMachine, kill_group, load_compose, wait_for, write_own_data
 from conftest import skip_unless_required
-from flwr_harness import kill_processes_with_env, read_jsonl
+from flwr_harness import SHORT_EVAL, kill_processes_with_env, read_jsonl
 from netns import Network, namespaces_unavailable
 
 pytestmark = pytest.mark.e2e
@@ -221,7 +221,7 @@ def test_three_hosts_tls_auth_unregistered_node_refused_and_killed_node_survived
         run_config = (
             f"config='configs/smoke.yaml' rounds={ROUNDS} {data_config} "
             "federation.round_timeout_s=300 federation.node_wait_s=300 "
-            "eval.probe_epochs=5 eval.random_init_reference=false"  # the run's course is the check, not its scores
+            f"{SHORT_EVAL}"  # the run's course is the check, not its scores
         )
         with open(run_log, "w") as log:
             run = subprocess.Popen(

@@ -449,13 +449,12 @@ def test_strategy_options_and_method_requirement(tmp_path):
 
 @pytest.mark.e2e
 def test_orchestra_smoke_run_clusters_globally_and_records_it(tmp_path, monkeypatch):
-    from flwr_harness import flwr_run, read_jsonl
-    from test_e2e_flwr_run import data_overrides
+    from flwr_harness import SHORT_EVAL, data_overrides, flwr_run, read_jsonl
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny encoders on 2 shared cores: one thread per process is faster
     out = tmp_path / "out"
     proc = flwr_run(
-        f"config='configs/smoke-orchestra.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 eval.probe_epochs=5 eval.random_init_reference=false",
+        f"config='configs/smoke-orchestra.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 {SHORT_EVAL}",
         tmp_path / "flwr",
     )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]

@@ -22,17 +22,14 @@ from pathlib import Path
 import pytest
 
 from conftest import skip_unless_required
-from flwr_harness import REPO, flwr_env, flwr_run, kill_processes_with_env, read_jsonl
+from flwr_harness import REPO, SHORT_EVAL, flwr_env, flwr_run, kill_processes_with_env, read_jsonl
 from netns import Network, namespaces_unavailable
 
 pytestmark = pytest.mark.e2e
 
 MARKER = "FEDSSL_RAY_CLUSTER_TEST"  # every Ray process of the test carries it, so teardown finds them all
 # a short final probe and no random-init reference: the test compares the runs' scores, whatever they are
-RUN = (
-    "config='configs/smoke.yaml' data.dataset='synthetic' eval.knn_every=1 eval.probe_epochs=5 "
-    "eval.random_init_reference=false"
-)
+RUN = f"config='configs/smoke.yaml' data.dataset='synthetic' eval.knn_every=1 {SHORT_EVAL}"
 BIN = Path(sys.executable).parent
 
 
