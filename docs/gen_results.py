@@ -89,6 +89,16 @@ def report_rows(study: Study) -> list[dict[str, str]] | None:
         return list(csv.DictReader(f))
 
 
+def runs_without_result(study: Study) -> tuple[int, int] | None:
+    """(runs without a result, runs of the study file) for a study published part-way (``--partial``): the
+    numbers its report's table names; None for a finished one."""
+    report = PUBLISHED / study.name / "report.md"
+    if not report.is_file():
+        return None
+    match = re.search(r"Runs without a result: (\d+) of the study's (\d+)\.", report.read_text())
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def snippet(report_md: str, section: str) -> str:
     """The text between a report's ``--8<-- [start:section]`` and ``[end:section]`` markers."""
     match = re.search(
@@ -156,12 +166,15 @@ def results_block() -> str:
         "| study | row | seeds | linear probe % | gain over random init (points) |",
         "|---|---|---|---|---|",
     ]
-    missing = []
+    missing, partial = [], []
     for study in (s for s in STUDIES if s.in_readme):
         rows = report_rows(study)
         if rows is None:
             missing.append(study)
             continue
+        to_do = runs_without_result(study)
+        if to_do:
+            partial.append((study, *to_do))
         link = f"[{study.name}](benchmarks/results/studies/{study.name}/report.md)"
         for row in rows:
             if row.get("arch") and row.get("kind") != "random init":
@@ -171,6 +184,15 @@ def results_block() -> str:
             link = ""
     if len(lines) == 4:
         lines = [START]  # nothing published yet: no empty table
+    for study, without, planned in partial:
+        lines += [
+            "",
+            (
+                f"{study.name} is published part-way: {without} of its {planned} runs have no result yet (its report "
+                f"names them; `{command(study)} --out <a copy of its folder>` adds them). "
+                "Each row's seeds column says which seeds it holds."
+            ),
+        ]
     if missing:
         lines += [
             "",

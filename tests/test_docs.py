@@ -161,6 +161,7 @@ def test_a_published_study_keeps_its_runs_records_and_rewrites_the_same_report(t
     assert gen.main(["--publish", str(study)]) == 2 and not (tmp_path / "published").exists()
     out = gen.publish(study, partial=True)
     assert "Runs without a result: 2 of the study's 4." in (out / "report.md").read_text()
+    assert "flesd-cpu is published part-way: 2 of its 4 runs have no result yet" in gen.results_block()
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["a-seed0", "a-seed1"]
     for path in [out / "study.yaml", *(out / "runs").rglob("*")]:
         if path.is_file():
