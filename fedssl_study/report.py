@@ -360,11 +360,18 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
         commit = p.get("git_commit") or info.get("study_git_commit")
         dirty = p.get("git_dirty") if p.get("git_commit") else info.get("study_git_dirty")
         v = p.get("versions", {})
+        # the training's number format differs between machines (bf16 autocast only where the CPU or GPU has native
+        # bf16 units): a study whose runs ran on several machines says which ran in which. A round without training
+        # (Orchestra's centroid seeding) records fp32 beside the training rounds' bf16.
+        precisions = sorted(
+            {str(c["precision"]) for r in run.rounds for c in [r, *r.get("clients", [])] if c.get("precision")}
+        )
         text = (
             f"Python {v.get('python', '?')}, torch {v.get('torch', '?')}, torchvision {v.get('torchvision', '?')}, "
             f"flwr {v.get('flwr', '?')}, numpy {v.get('numpy', '?')}; device {p.get('device', '?')}; "
             f"app code {str(p.get('app_digest', '?'))[:12]}, commit {commit[:12] if commit else 'unknown'}"
             f"{' with uncommitted changes' if dirty else ''}"
+            f"{'; precision ' + ' and '.join(precisions) if precisions else ''}"
         )
         seen.setdefault(text, []).append(f"{run.variant} seed {run.seed}")
     lines = [f"- {text}: {len(names)} run(s)" for text, names in seen.items()] or ["(these runs record no provenance)"]

@@ -432,6 +432,28 @@ def test_a_run_resumed_on_other_code_is_named_under_the_provenance(tmp_path):
     assert "A seed 1 ran" not in text
 
 
+def test_the_provenance_names_each_runs_number_format(tmp_path):
+    """Runs of one study that trained in different number formats (bf16 autocast on a machine with native bf16
+    units, fp32 elsewhere) get one provenance line each, naming the format from the clients' round records."""
+    from fedssl_study.report import report_study
+
+    out = tmp_path / "study"
+    for seed, precision in ((0, "bf16"), (1, "fp32")):
+        folder = out / "runs" / f"a-seed{seed}"
+        fake_run(folder, "A", seed, 0.40, 0.3, 0.33)
+        summary = json.loads((folder / "summary.json").read_text())
+        summary["provenance"] = {"device": "AMD EPYC, 2 cores", "app_digest": "c" * 64, "git_commit": "3" * 40}
+        (folder / "summary.json").write_text(json.dumps(summary))
+        rows = [
+            json.loads(line) | {"clients": [{"id": 0, "precision": precision}]}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()
+        ]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_study(out).read_text()
+    assert "commit 333333333333; precision bf16: 1 run(s)" in text
+    assert "commit 333333333333; precision fp32: 1 run(s)" in text
+
+
 def test_a_run_of_the_same_experiment_in_another_study_is_copied_not_run_again(tmp_path):
     """--reuse: a (variant, seed) whose resolved config, seed included and name and output folder left out, equals
     a finished run's of another study folder is copied from there (records, not checkpoints) with run.json naming
