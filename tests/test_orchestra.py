@@ -467,7 +467,10 @@ def test_orchestra_smoke_run_clusters_globally_and_records_it(tmp_path, monkeypa
         assert r["global_clustering"] == "gradient" and r["num_local_centroids"] == 16 and r["num_global_clusters"] == 4
         assert 1 <= r["global_clusters_used"] <= 4 and r["global_cluster_size_max"] >= 4  # 16 centroids into 4
         assert r["loss_cluster"] > 0 and r["loss_degeneracy"] > 0 and 0 <= r["rotation_acc"] <= 1
-        assert r["train_loss"] == pytest.approx(r["loss_cluster"] + r["loss_degeneracy"], rel=1e-4)
+        # the two terms are recorded apart from their sum: in fp32 they agree to rounding; under bf16 autocast (CPUs and
+        # GPUs with native bf16 units) each carries bf16's 8-bit mantissa, about 0.4 % (seen: 3.7922 against 3.7883)
+        bf16 = any(c.get("precision") == "bf16" for c in r["clients"])
+        assert r["train_loss"] == pytest.approx(r["loss_cluster"] + r["loss_degeneracy"], rel=1e-2 if bf16 else 1e-4)
         assert 0 <= r["knn_acc"] <= 1
         # Down per client: the model (with the target) + 4 x 32 fp32 global centroids; up: the model + 8 x 32 local
         # centroids. Both clients: down - up = 2 x (512 - 1024) bytes, up to the records' headers (names, padding).
