@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import skip_unless_required
-from flwr_harness import REPO, SHORT_EVAL, flwr_run, read_jsonl
+from flwr_harness import REPO, SHORT_EVAL, data_overrides, flwr_run, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -21,11 +21,10 @@ def test_heterossfl_smoke_mixed_architectures_kernels_and_per_client_evaluation(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
     npz = cifar10_npz()
-    data = f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
     out = tmp_path / "out"
     proc = flwr_run(
         # a short probe and no random-init reference: the test checks the kernels and that each model is scored
-        f"config='configs/smoke-heterossfl.yaml' output-dir='{out}' {data} {SHORT_EVAL}",
+        f"config='configs/smoke-heterossfl.yaml' output-dir='{out}' {data_overrides()} {SHORT_EVAL}",
         tmp_path / "flwr",
     )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]

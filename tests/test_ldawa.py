@@ -237,17 +237,14 @@ def test_paper_study_resolves_to_the_paper_setting():
 
 @pytest.mark.e2e
 def test_ldawa_smoke_run_records_the_cosines_and_resources(tmp_path, monkeypatch):
-    from conftest import cifar10_npz
-    from flwr_harness import SHORT_EVAL, flwr_run, read_jsonl
+    from flwr_harness import SHORT_EVAL, data_overrides, flwr_run, read_jsonl
     from ssl_models.config import ExperimentConfig
     from ssl_models.factory import build_ssl_model
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny encoders on 2 shared cores: one torch thread per process
-    npz = cifar10_npz()
-    data = f"data.path='{npz}'" if npz else "data.dataset='synthetic'"
     out = tmp_path / "out"
     proc = flwr_run(
-        f"config='configs/smoke-ldawa.yaml' output-dir='{out}' {data} train.max_steps_per_epoch=3 {SHORT_EVAL}",
+        f"config='configs/smoke-ldawa.yaml' output-dir='{out}' {data_overrides()} train.max_steps_per_epoch=3 {SHORT_EVAL}",
         tmp_path / "flwr",
     )
     assert (out / "summary.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
